@@ -1,0 +1,37 @@
+"""Flash-decoding attention over a paged KV cache.
+
+``flash_decode`` runs the CUDA kernel on CUDA tensors and the pure-PyTorch reference on CPU
+tensors; both compute the same split-KV algorithm (see ``reference.py`` and ``csrc/``).
+"""
+
+import torch
+
+from .paging import cache_shape, pack_paged
+from .planner import plan_num_splits
+from .reference import reference_decode, reference_write_kv
+from .workspace import Workspace
+
+__all__ = ["flash_decode", "write_kv", "reference_decode", "reference_write_kv", "pack_paged",
+           "cache_shape", "Workspace", "plan_num_splits"]
+
+
+def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None):
+    """Attention of one new query token per sequence over its paged KV cache.
+
+    q [B, Hq, D]; k_cache/v_cache [num_blocks, Hkv, block_size, D] (``paging.py``);
+    block_table [B, max_blocks] int32; seq_lens [B] int32, each >= 1. Returns [B, Hq, D].
+    """
+    if q.is_cuda:
+        from . import ops
+        return ops.flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens,
+                                     scale=scale, workspace=workspace, num_splits=num_splits)
+    return reference_decode(q, k_cache, v_cache, block_table, seq_lens,
+                            scale=scale, workspace=workspace, num_splits=num_splits)
+
+
+def write_kv(k_cache, v_cache, key, value, slot_mapping):
+    """Store one layer's new ``key/value [T, Hkv, D]`` at ``slot_mapping [T]``; slot -1 writes nothing."""
+    if key.is_cuda:
+        from . import ops
+        return ops.write_kv_cuda(k_cache, v_cache, key, value, slot_mapping)
+    return reference_write_kv(k_cache, v_cache, key, value, slot_mapping)

@@ -1,0 +1,88 @@
+"""Pure-PyTorch flash decoding over the paged cache: the CPU path and the kernel's oracle.
+
+The same algorithm as the CUDA kernel: the KV sequence is cut into ``num_splits`` chunks, each
+chunk yields a partial output normalised by its own softmax sum plus its log-sum-exp, and the
+chunks are merged exactly. Accumulation is in float32 (float64 stays float64).
+"""
+
+import torch
+
+from .planner import max_splits_for
+
+
+def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gather_dense(cache: torch.Tensor, block_table: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, Hkv, width, D]`` view-by-copy of each sequence's first ``width`` cached tokens."""
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    blocks_needed = -(-width // block_size)
+    ids = block_table[:, :blocks_needed].long().clamp(0, num_blocks - 1)
+    tiles = cache[ids]                                    # [B, nb, Hkv, bs, D]
+    dense = tiles.transpose(1, 2).reshape(ids.shape[0], num_kv_heads, blocks_needed * block_size, head_dim)
+    return dense[:, :, :width]
+
+
+def split_attention(q, k, v, seq_lens, num_splits):
+    """Per-split partial outputs and LSEs.
+
+    q [B, Hq, D] (already scaled), k/v [B, Hkv, M, D] dense, seq_lens [B].
+    Returns ``o [B, Hq, S, D]`` and ``lse [B, Hq, S]``; an empty split has lse = -inf, o = 0.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, width = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    chunk = -(-width // num_splits)
+    pad = num_splits * chunk - width
+    if pad:
+        k = torch.nn.functional.pad(k, (0, 0, 0, pad))
+        v = torch.nn.functional.pad(v, (0, 0, 0, pad))
+    k = k.view(batch, num_kv_heads, num_splits, chunk, head_dim)
+    v = v.view(batch, num_kv_heads, num_splits, chunk, head_dim)
+    qg = q.view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bhsnd->bhsgn", qg, k)                    # [B, Hkv, S, G, chunk]
+    positions = torch.arange(num_splits * chunk, device=q.device).view(num_splits, chunk)
+    valid = positions.view(1, 1, num_splits, 1, chunk) < seq_lens.view(batch, 1, 1, 1, 1)
+    scores = scores.masked_fill(~valid, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m_safe)
+    l = p.sum(dim=-1, keepdim=True)
+    o = torch.einsum("bhsgn,bhsnd->bhsgd", p, v) / l.clamp_min(torch.finfo(l.dtype).tiny)
+    lse = (m_safe + torch.log(l)).squeeze(-1)                             # log(0) = -inf when empty
+    o = o.permute(0, 1, 3, 2, 4).reshape(batch, num_q_heads, num_splits, head_dim)
+    lse = lse.permute(0, 1, 3, 2).reshape(batch, num_q_heads, num_splits)
+    return o, lse
+
+
+def merge_splits(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Exact merge of split partials: ``O = sum_c exp(lse_c - lse) O_c``."""
+    total = torch.logsumexp(lse, dim=-1, keepdim=True)
+    weights = torch.exp(lse - total)
+    weights = torch.where(torch.isfinite(total), weights, torch.zeros_like(weights))
+    return torch.einsum("bhs,bhsd->bhd", weights, o)
+
+
+def reference_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None):
+    """One decode step of attention for each sequence. Same contract as ``flash_decode``."""
+    head_dim = q.shape[-1]
+    scale = head_dim ** -0.5 if scale is None else scale
+    acc = _accum_dtype(q.dtype)
+    width = int(seq_lens.max())
+    if num_splits is None:
+        num_splits = max_splits_for(width) if workspace is None else workspace.num_splits(q.shape[0])
+    k = gather_dense(k_cache, block_table, width).to(acc)
+    v = gather_dense(v_cache, block_table, width).to(acc)
+    o, lse = split_attention(q.to(acc) * scale, k, v, seq_lens.to(q.device), num_splits)
+    return merge_splits(o, lse).to(q.dtype)
+
+
+def reference_write_kv(k_cache, v_cache, key, value, slot_mapping):
+    """Store ``key/value [T, Hkv, D]`` at ``slot_mapping [T]``; slots < 0 write nothing."""
+    block_size = k_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, rows = slots // block_size, slots % block_size
+    k_cache[blocks, :, rows] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, :, rows] = value[keep].to(v_cache.dtype)

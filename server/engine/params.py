@@ -1,0 +1,43 @@
+"""What a request asks of the engine, and what the engine streams back."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["length", "stop", "eos", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0            # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 means no top-k cut
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token. ``text`` is the newly printable text (may be empty while a
+    multi-byte character is incomplete, or while a stop sequence might still match)."""
+    token_id: int
+    text: str
+    logprob: float | None = None
+    special: bool = False
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    reason: FinishReason
+    text: str                           # the whole generated text, stop sequence excluded
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+    timings: dict = field(default_factory=dict)   # seconds: queued, first_token, total
