@@ -31,6 +31,7 @@ class TokenEvent:
     text: str
     logprob: float | None = None
     special: bool = False
+    time: float = 0.0                   # time.monotonic() when the engine produced it
 
 
 @dataclass(frozen=True)
