@@ -1,0 +1,80 @@
+"""Our attention, registered with transformers so that the model's own attention layers call it.
+
+A forward pass that carries an ``AttentionBatch`` (through the model's keyword arguments) runs
+on the paged KV cache: the new keys and values are written into the cache, then a prefill
+attends causally over each prompt chunk and a decode step calls ``kernels.flash_decode``.
+Without one, the function behaves like transformers' SDPA attention, so the same model object
+still works with ``generate``.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+import kernels
+
+NAME = "paged_split_kv"   # transformers treats any name containing "flash" as FlashAttention
+
+
+@dataclass
+class AttentionBatch:
+    """Everything attention needs for one forward pass over the paged cache.
+
+    Decode: one new token per sequence; tokens are ``[B, 1]``. Prefill: the prompt chunks of
+    several sequences packed as ``[1, T]``; ``query_starts`` (host ints, length n+1) delimit
+    them and ``context_lens`` (host ints) count each sequence's tokens already in the cache.
+    """
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    slot_mapping: torch.Tensor                   # [T] slot of every new token, -1 writes nothing
+    block_tables: torch.Tensor                   # [B, max_blocks] int32
+    seq_lens: torch.Tensor                       # [B] int32, tokens in cache after this pass
+    is_decode: bool
+    workspace: kernels.Workspace | None = None
+    query_starts: list[int] | None = None
+    context_lens: list[int] | None = None
+
+
+def _prefill(query, key, value, scale, batch: AttentionBatch, k_cache, v_cache):
+    out = torch.empty_like(query.transpose(1, 2))                  # [1, T, Hq, D]
+    for i, (start, end) in enumerate(zip(batch.query_starts, batch.query_starts[1:])):
+        context = batch.context_lens[i]
+        q = query[:, :, start:end]
+        if context == 0:
+            k, v = key[:, :, start:end], value[:, :, start:end]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            total = context + end - start
+            table = batch.block_tables[i:i + 1]
+            k = kernels.reference.gather_dense(k_cache, table, total).to(q.dtype)
+            v = kernels.reference.gather_dense(v_cache, table, total).to(q.dtype)
+            rows = torch.arange(end - start, device=q.device).unsqueeze(1) + context
+            mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[:, start:end] = o.transpose(1, 2)
+    return out
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    attn_batch: AttentionBatch | None = None, **kwargs):
+    if attn_batch is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    k_cache, v_cache = attn_batch.kv_caches[module.layer_idx]
+    # [B, H, T, D] -> [B*T, H, D]: one row per new token, the order of slot_mapping
+    new_k = key.transpose(1, 2).flatten(0, 1)
+    new_v = value.transpose(1, 2).flatten(0, 1)
+    kernels.write_kv(k_cache, v_cache, new_k, new_v, attn_batch.slot_mapping)
+    if attn_batch.is_decode:
+        out = kernels.flash_decode(query[:, :, 0], k_cache, v_cache, attn_batch.block_tables,
+                                   attn_batch.seq_lens, scale=scaling, workspace=attn_batch.workspace)
+        return out.unsqueeze(1), None
+    return _prefill(query, key, value, scaling, attn_batch, k_cache, v_cache), None
+
+
+def register() -> None:
+    AttentionInterface.register(NAME, paged_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)

@@ -1,0 +1,190 @@
+"""Runs model steps over the paged KV cache: prefill chunks, and decode steps replayed from
+CUDA graphs captured per batch-size bucket.
+
+All decode metadata goes to the device in one copy from a pinned host buffer; padded rows of a
+bucket carry slot -1 (they write nothing) and length 1. The KV pool, the split workspace and
+every static buffer are allocated once here.
+"""
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+import kernels
+from models import AttentionBatch, LoadedModel, forward_logits
+
+from .config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_layer = 2 * config.num_key_value_heads * block_size * head_dim * torch.finfo(dtype).bits // 8
+    return per_layer * config.num_hidden_layers
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int):
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = config.block_size
+        self.max_batch = config.max_batch
+        self.max_model_len = max_model_len
+        cfg = self.model.config
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_q_heads = cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_layers = cfg.num_hidden_layers
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+
+        self.workspace = kernels.Workspace(self.max_batch, self.num_q_heads, self.head_dim, max_model_len,
+                                           self.device, num_kv_heads=self.num_kv_heads)
+        self.num_blocks = config.num_blocks or self._blocks_from_memory(config)
+        shape = kernels.cache_shape(self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.num_layers)]
+        self._init_decode_buffers()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_seconds = 0.0
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self.capture(config.buckets())
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def _blocks_from_memory(self, config: EngineConfig) -> int:
+        per_block = kv_bytes_per_block(self.model.config, self.block_size, self.dtype)
+        if self.device.type != "cuda":
+            return max(1, config.cpu_kv_cache_tokens // self.block_size)
+        free, total = torch.cuda.mem_get_info(self.device)
+        in_use = total - free
+        activation_reserve = 2 << 30
+        budget = int(total * config.gpu_memory_fraction) - in_use - activation_reserve
+        if budget < per_block * self.max_blocks_per_seq:
+            raise RuntimeError(f"gpu_memory_fraction {config.gpu_memory_fraction} leaves {budget >> 20} MiB "
+                               f"for the KV pool, less than one {self.max_model_len}-token sequence")
+        return budget // per_block
+
+    # ---- decode metadata ------------------------------------------------------------------
+
+    def _init_decode_buffers(self):
+        n, pin = self.max_batch, self.device.type == "cuda"
+        # packed int32 host buffer: ids | positions | slots | lens | block table (n x blocks used)
+        self._host = torch.zeros(4 * n + n * self.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self._host_np = self._host.numpy()
+        self._packed = torch.zeros_like(self._host, device=self.device)
+        self.input_ids = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
+        self.positions = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
+        self.slots = torch.full((n,), -1, dtype=torch.int32, device=self.device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=self.device)
+        self.block_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+
+    def _load_decode_metadata(self, seqs, rows: int) -> None:
+        """Fill the static buffers' first ``rows`` rows for ``seqs``; the rest are padding."""
+        n, bs = self.max_batch, self.block_size
+        width = max(len(s.block_table) for s in seqs)
+        h = self._host_np
+        ids, pos, slots, lens = h[0:rows], h[n:n + rows], h[2 * n:2 * n + rows], h[3 * n:3 * n + rows]
+        table = h[4 * n:4 * n + rows * width].reshape(rows, width)
+        ids[:], pos[:], slots[:], lens[:], table[:] = 0, 0, -1, 1, 0
+        for i, s in enumerate(seqs):
+            p = s.length - 1
+            ids[i] = s.output_ids[-1] if s.output_ids else s.prompt_ids[-1]
+            pos[i] = p
+            slots[i] = s.block_table[p // bs] * bs + p % bs
+            lens[i] = s.length
+            table[i, :len(s.block_table)] = s.block_table
+        count = 4 * n + rows * width
+        self._packed[:count].copy_(self._host[:count], non_blocking=True)
+        d = self._packed
+        self.input_ids[:rows, 0].copy_(d[0:rows])
+        self.positions[:rows, 0].copy_(d[n:n + rows])
+        self.slots[:rows].copy_(d[2 * n:2 * n + rows])
+        self.seq_lens[:rows].copy_(d[3 * n:3 * n + rows])
+        self.block_tables[:rows, :width].copy_(d[4 * n:4 * n + rows * width].view(rows, width))
+
+    def _decode_batch(self, rows: int) -> AttentionBatch:
+        return AttentionBatch(self.kv_caches, self.slots[:rows], self.block_tables[:rows],
+                              self.seq_lens[:rows], is_decode=True, workspace=self.workspace)
+
+    def _decode_forward(self, rows: int) -> torch.Tensor:
+        return forward_logits(self.model, self.input_ids[:rows], self.positions[:rows], self._decode_batch(rows))
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+
+    def bucket_for(self, batch: int) -> int | None:
+        return min((b for b in self.graphs if b >= batch), default=None)
+
+    @torch.inference_mode()
+    def capture(self, buckets) -> None:
+        started = time.monotonic()
+        pool = None
+        for rows in sorted(buckets, reverse=True):        # largest first: smaller ones reuse its pool
+            self.slots[:rows].fill_(-1)
+            self.seq_lens[:rows].fill_(1)
+            for _ in range(2):
+                self._decode_forward(rows)                 # warm-up: lazy init, autotuning
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._decode_forward(rows)
+            pool = graph.pool()
+            self.graphs[rows] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.monotonic() - started
+        log.info("captured decode graphs for batch sizes %s in %.1f s", sorted(self.graphs), self.capture_seconds)
+
+    # ---- steps ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, seqs) -> torch.Tensor:
+        """Logits [len(seqs), vocab] for the next token of each sequence."""
+        batch = len(seqs)
+        bucket = self.bucket_for(batch)
+        self._load_decode_metadata(seqs, bucket or batch)
+        if bucket is None:
+            return self._decode_forward(batch)
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return logits[:batch]
+
+    @torch.inference_mode()
+    def prefill(self, chunks) -> torch.Tensor:
+        """Runs prompt chunks [(seq, n_tokens)]; returns logits of the last token of each chunk
+        (the caller keeps only those of sequences whose prompt is now complete)."""
+        bs = self.block_size
+        ids, positions, slots, starts, contexts = [], [], [], [0], []
+        for seq, take in chunks:
+            first = seq.num_cached
+            tokens = seq.token_ids[first:first + take]
+            ids.extend(tokens)
+            positions.extend(range(first, first + take))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(first, first + take))
+            starts.append(starts[-1] + take)
+            contexts.append(first)
+        width = max(len(seq.block_table) for seq, _ in chunks)
+        table = np.zeros((len(chunks), width), dtype=np.int32)
+        lens = []
+        for i, (seq, take) in enumerate(chunks):
+            table[i, :len(seq.block_table)] = seq.block_table
+            lens.append(seq.num_cached + take)
+        to_dev = self._to_device
+        batch = AttentionBatch(self.kv_caches, to_dev(slots), to_dev(table), to_dev(lens),
+                               is_decode=False, workspace=self.workspace,
+                               query_starts=starts, context_lens=contexts)
+        last_rows = to_dev([s - 1 for s in starts[1:]])
+        return forward_logits(self.model, to_dev(ids).unsqueeze(0), to_dev(positions).unsqueeze(0),
+                              batch, logits_rows=last_rows)
+
+    def _to_device(self, values) -> torch.Tensor:
+        host = torch.as_tensor(np.asarray(values, dtype=np.int32))
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host

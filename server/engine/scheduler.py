@@ -1,0 +1,104 @@
+"""Iteration-level scheduling: which sequences run in the next model step.
+
+A step is either a prefill (prompt chunks of waiting sequences, under a token budget) or a
+decode (one token for every running sequence). When both kinds of work exist the two
+alternate, so long prompts, cut into chunks, never stall the streams already decoding. When
+the pool cannot hold the next decode token, the newest running sequence is preempted: its
+blocks are freed and it goes back to the front of the queue to be recomputed later.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class PrefillStep:
+    chunks: list[tuple[Sequence, int]]          # (sequence, tokens of it to run now)
+
+
+@dataclass
+class DecodeStep:
+    seqs: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int):
+        self.blocks = blocks
+        self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._last_was_prefill = False
+        self.preemptions = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> PrefillStep | DecodeStep | None:
+        if self.waiting and not (self._last_was_prefill and self.running):
+            step = self._schedule_prefill()
+            if step is not None:
+                self._last_was_prefill = True
+                return step
+        self._last_was_prefill = False
+        return self._schedule_decode() if self.running else None
+
+    def _schedule_prefill(self) -> PrefillStep | None:
+        budget = self.max_prefill_tokens
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in self.waiting:
+            if budget == 0 or len(self.running) + len(chunks) >= self.max_batch:
+                break
+            take = min(seq.prefill_remaining, budget)
+            if not self.blocks.can_grow(seq.block_table, seq.num_cached + take):
+                break
+            self.blocks.grow(seq.block_table, seq.num_cached + take)
+            chunks.append((seq, take))
+            budget -= take
+            if take < seq.prefill_remaining:
+                break                            # the rest of this prompt goes in a later step
+        return PrefillStep(chunks) if chunks else None
+
+    def _schedule_decode(self) -> DecodeStep:
+        scheduled: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:
+                continue
+            while not self.blocks.can_grow(seq.block_table, seq.length):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.grow(seq.block_table, seq.length)
+                scheduled.append(seq)
+        return DecodeStep(scheduled)
+
+    def prefill_done(self, seq: Sequence) -> None:
+        """``seq``'s whole prompt is in the cache: it decodes from the next step on."""
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and return its blocks to the pool."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq.block_table)

@@ -1,0 +1,56 @@
+"""One request's state inside the engine."""
+
+import enum
+import time
+
+from .detokenizer import IncrementalDetokenizer, StopMatcher
+from .params import FinishReason, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
+                 detokenizer: IncrementalDetokenizer, sink):
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.seed = seed
+        self.output_ids: list[int] = []
+        self.block_table: list[int] = []
+        self.num_cached = 0                      # tokens whose K/V are in the cache
+        self.status = Status.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.detokenizer = detokenizer
+        self.stop_matcher = StopMatcher(params.stop)
+        self.text = ""                           # decoded output so far
+        self.emitted = 0                         # characters of text already streamed
+        self.sink = sink                         # receives this sequence's events
+        self.arrival = time.monotonic()
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+        self.preemptions = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_remaining(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.length - self.num_cached
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def reserved_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_new_tokens

@@ -1,0 +1,110 @@
+"""Error responses. OpenAI routes (/v1/...) answer OpenAI's error shape, the others TGI's;
+no handler ever puts a traceback into a body."""
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine.errors import EngineDeadError, QueueFullError
+
+log = logging.getLogger("server.errors")
+
+# OpenAI's `type` for a status; TGI's `error_type` comes from the same table.
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+_TGI_TYPES = {400: "validation", 401: "unauthorized", 404: "not_found", 413: "validation",
+              415: "validation", 422: "validation", 429: "overloaded", 503: "unavailable"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def error_body(path: str, status: int, message: str, param: str | None = None) -> dict:
+    if is_openai_path(path):
+        return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
+                          "param": param, "code": status}}
+    return {"error": message, "error_type": _TGI_TYPES.get(status, "internal")}
+
+
+def error_response(path: str, status: int, message: str, *, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(path, status, message, param), status_code=status, headers=headers)
+
+
+def _field_name(loc) -> str:
+    parts = [str(p) for p in loc]
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    return ".".join(parts) or "body"
+
+
+def describe_validation_errors(errors) -> tuple[str, str | None]:
+    """('messages.0.role: Input should be ...; ...', first field name)."""
+    described, first = [], None
+    for err in errors:
+        field = _field_name(err.get("loc", ()))
+        first = first or field
+        message = err.get("msg", "invalid value")
+        # pydantic's "Value error, x" reads better as "x"
+        message = message.removeprefix("Value error, ")
+        described.append(f"{field}: {message}")
+    return "; ".join(described) or "invalid request body", first
+
+
+def retry_after_header(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, int(round(seconds + 0.499))))}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return error_response(request.url.path, exc.status, exc.message, param=exc.param,
+                              headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            detail = next(e for e in errors if e.get("type") == "json_invalid")
+            reason = (detail.get("ctx") or {}).get("error", "JSON decode error")
+            pos = detail.get("loc", ("body", "?"))[-1]
+            return error_response(request.url.path, 400,
+                                  f"malformed JSON body: {reason} at position {pos}")
+        message, field = describe_validation_errors(errors)
+        return error_response(request.url.path, 422, message, param=field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        return error_response(request.url.path, exc.status_code, message, headers=exc.headers)
+
+    @app.exception_handler(QueueFullError)
+    async def _queue_full(request: Request, exc: QueueFullError):
+        return error_response(request.url.path, 429, f"server is overloaded: {exc}",
+                              headers=retry_after_header(exc.retry_after))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError):
+        return error_response(request.url.path, 503, "the engine has stopped; see /health")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.error("unhandled error", exc_info=exc,
+                  extra={"fields": {"request_id": getattr(request.state, "request_id", None),
+                                    "path": request.url.path}})
+        return error_response(request.url.path, 500, "internal server error")

@@ -1,0 +1,79 @@
+"""Prometheus metrics, kept in a registry owned by one app (no process-global state)."""
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+PREFIX = "llm"
+
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# Decode steps of a small model on a GPU take well under a millisecond.
+ITL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005,
+               0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+               0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class EngineStatsCollector:
+    """Gauges read from ``engine.stats()`` at scrape time; nothing while no engine is loaded."""
+
+    def __init__(self, get_engine: Callable[[], object | None]):
+        self._get_engine = get_engine
+
+    def collect(self):
+        engine = self._get_engine()
+        if engine is None:
+            return
+        stats = engine.stats()
+        total, used = int(stats.kv_blocks_total), int(stats.kv_blocks_used)
+        for name, doc, value in (
+            ("num_requests_running", "Requests being decoded.", stats.running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.waiting),
+            ("kv_cache_blocks_total", "KV cache blocks in the pool.", total),
+            ("kv_cache_blocks_used", "KV cache blocks in use.", used),
+            ("kv_cache_usage_ratio", "Share of the KV cache blocks in use (0..1).",
+             used / total if total else 0.0),
+        ):
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+class Metrics:
+    def __init__(self, get_engine: Callable[[], object | None]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token = Histogram(f"{PREFIX}_inter_token_latency_seconds",
+                                     "Time between consecutive generated tokens of a request.",
+                                     buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds",
+                             "Time from arrival to the last token of a finished request.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.queue = Histogram(f"{PREFIX}_request_queue_time_seconds",
+                               "Time a request waited before its prefill started.",
+                               buckets=QUEUE_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.",
+                                         registry=r)
+        self.finished = Counter(f"{PREFIX}_requests_finished", "Finished requests by finish reason.",
+                                ["reason"], registry=r)
+        self.rejected = Counter(f"{PREFIX}_requests_rejected",
+                                "Requests refused before admission, by reason.", ["reason"], registry=r)
+        self.http_requests = Counter(f"{PREFIX}_http_requests", "HTTP responses by route and status.",
+                                     ["method", "route", "status"], registry=r)
+        for reason in ("length", "stop", "eos", "abort", "error"):
+            self.finished.labels(reason=reason)
+        for reason in ("queue_full", "invalid", "too_long"):
+            self.rejected.labels(reason=reason)
+        r.register(EngineStatsCollector(get_engine))
+        ProcessCollector(registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,85 @@
+"""Pure ASGI middleware (no BaseHTTPMiddleware: it would buffer streams and hide disconnects)."""
+
+import hmac
+import logging
+import re
+import time
+import uuid
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .http_errors import error_response
+from .metrics import Metrics
+
+access_log = logging.getLogger("server.access")
+
+REQUEST_ID_HEADER = "x-request-id"
+_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class RequestContextMiddleware:
+    """Echoes a sane X-Request-Id or generates one, stores it in ``request.state.request_id``,
+    counts the response and writes one access-log line with the request's duration."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        supplied = Headers(scope=scope).get(REQUEST_ID_HEADER, "")
+        request_id = supplied if _VALID_REQUEST_ID.match(supplied) else new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = time.perf_counter()
+        status = 500
+        sent_start = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status, sent_start
+            if message["type"] == "http.response.start":
+                sent_start = True
+                status = message["status"]
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = scope.get("route")
+            route_path = getattr(route, "path", None) or "unmatched"
+            self.metrics.http_requests.labels(method=scope["method"], route=route_path,
+                                              status=str(status)).inc()
+            client = scope.get("client")
+            access_log.info("request", extra={"fields": {
+                "request_id": request_id, "method": scope["method"], "path": scope["path"],
+                "status": status if sent_start else None,
+                "duration_s": round(time.perf_counter() - started, 6),
+                "client": f"{client[0]}:{client[1]}" if client else None}})
+
+
+class ApiKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` on every path except the open ones."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = frozenset({"/health"})):
+        self.app = app
+        self.expected = api_key.encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.expected):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(scope["path"], 401, "missing or invalid API key (Authorization: Bearer <key>)",
+                                  headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)

@@ -1,0 +1,190 @@
+"""Request and response bodies shared by both APIs, and those of the TGI-style API.
+
+Unknown fields are refused (422 naming them) so that a misspelt option never silently does
+nothing; fields TGI clients send with neutral values (``null``, ``false``) are accepted and
+only refused when they ask for something this server does not do.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+StopSequence = Annotated[str, Field(min_length=1, max_length=256)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+MAX_STOP_SEQUENCES = 16
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+def chat_template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the tokenizer's chat template wants them ('developer' is OpenAI's new 'system')."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages]
+
+
+def _require_neutral(value: Any, neutral: tuple, what: str) -> Any:
+    if value not in neutral:
+        raise ValueError(f"{what} is not supported by this server")
+    return value
+
+
+class ErrorResponse(BaseModel):
+    error: str
+    error_type: str
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class OpenAIErrorResponse(BaseModel):
+    error: OpenAIErrorDetail
+
+
+# ---------------------------------------------------------------- TGI
+
+
+class GenerateParameters(Strict):
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Tokens to generate at most; default: the server's default, "
+                                "capped by what the context length leaves after the prompt.")
+    do_sample: bool | None = Field(
+        None, description="false: greedy decoding whatever the temperature. true: sample. "
+                          "Omitted: sample only if temperature, top_k or top_p ask for it.")
+    temperature: float | None = Field(None, ge=0.0, le=100.0,
+                                      description="Sampling temperature; 0 means greedy.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, description="0 turns the top-k cut off.")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: list[StopSequence] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES,
+                                     description="Generation stops before any of these strings.")
+    details: bool = Field(False, description="Add finish reason, token count, seed and tokens.")
+    return_full_text: bool | None = Field(False, description="Prepend the prompt to generated_text.")
+    truncate: int | None = Field(None, ge=1, description="Keep only the last `truncate` prompt tokens.")
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    # Sent by TGI clients; only their neutral values are accepted.
+    best_of: int | None = Field(None, description="Only 1 (or null) is supported.")
+    typical_p: float | None = Field(None, description="Not supported; null only.")
+    watermark: bool = Field(False, description="Not supported; false only.")
+    decoder_input_details: bool = Field(False, description="Not supported; false only.")
+    top_n_tokens: int | None = Field(None, description="Not supported; null or 0 only.")
+    frequency_penalty: float | None = Field(None, description="Not supported; null or 0 only.")
+    grammar: None = Field(None, description="Not supported; null only.")
+    adapter_id: None = Field(None, description="Not supported; null only.")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        return _require_neutral(v, (None, 1), "best_of other than 1")
+
+    @field_validator("typical_p")
+    @classmethod
+    def _typical_p(cls, v):
+        return _require_neutral(v, (None,), "typical_p")
+
+    @field_validator("watermark")
+    @classmethod
+    def _watermark(cls, v):
+        return _require_neutral(v, (False,), "watermark")
+
+    @field_validator("decoder_input_details")
+    @classmethod
+    def _decoder_input_details(cls, v):
+        return _require_neutral(v, (False,), "decoder_input_details")
+
+    @field_validator("top_n_tokens")
+    @classmethod
+    def _top_n_tokens(cls, v):
+        return _require_neutral(v, (None, 0), "top_n_tokens")
+
+    @field_validator("frequency_penalty")
+    @classmethod
+    def _frequency_penalty(cls, v):
+        return _require_neutral(v, (None, 0, 0.0), "frequency_penalty (use repetition_penalty)")
+
+    def wants_sampling(self) -> bool:
+        if self.do_sample is not None:
+            return self.do_sample
+        return ((self.temperature is not None and self.temperature not in (0.0, 1.0))
+                or bool(self.top_k) or (self.top_p is not None and self.top_p < 1.0))
+
+
+class GenerateRequest(Strict):
+    inputs: NonEmptyText | None = Field(None, description="The prompt. Give this or `messages`.")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="A chat, rendered with the model's chat template. "
+                                        "Give this or `inputs`.")
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    stream: bool = Field(False, description="Answer text/event-stream, one event per token.")
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.inputs is None) == (self.messages is None):
+            raise ValueError("give exactly one of `inputs` or `messages`")
+        return self
+
+
+class Token(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class Details(BaseModel):
+    finish_reason: Literal["length", "eos_token", "stop_sequence", "abort", "error"]
+    generated_tokens: int
+    seed: int | None
+    prefill: list[Token] = []
+    tokens: list[Token]
+
+
+class GenerateResponse(BaseModel):
+    generated_text: str
+    details: Details | None = None
+
+
+class StreamDetails(BaseModel):
+    finish_reason: Literal["length", "eos_token", "stop_sequence", "abort", "error"]
+    generated_tokens: int
+    seed: int | None
+    input_length: int
+
+
+class StreamResponse(BaseModel):
+    """One `data:` event of /generate_stream; the last carries generated_text and details."""
+    index: int
+    token: Token
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+    top_tokens: None = None
+
+
+class Info(BaseModel):
+    model_id: str
+    max_input_tokens: int
+    max_total_tokens: int
+    max_stop_sequences: int
+    version: str
