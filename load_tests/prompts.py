@@ -212,8 +212,10 @@ class PromptSource:
             text = self.tokenizer.decode(ids)
         return text
 
-    def batch(self, count: int, length: int, range_ratio: float = 0.0) -> list[str]:
-        """``count`` prompts; with ``range_ratio`` r, lengths are drawn uniformly in [L(1-r), L(1+r)]."""
+    def batch(self, count: int, length: int, range_ratio: float = 0.0) -> list[tuple[str, int]]:
+        """``count`` (prompt, target length) pairs; with ``range_ratio`` r the lengths are drawn
+        uniformly in [L(1-r), L(1+r)]."""
         lo = max(1, round(length * (1 - range_ratio)))
         hi = max(lo, round(length * (1 + range_ratio)))
-        return [self.make(self.rng.randint(lo, hi)) for _ in range(count)]
+        lengths = [self.rng.randint(lo, hi) for _ in range(count)]
+        return [(self.make(n), n) for n in lengths]

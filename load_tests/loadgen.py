@@ -1,0 +1,534 @@
+"""Asynchronous HTTP load generator for streaming LLM servers, measuring as vLLM's serving benchmark.
+
+It drives ``POST /generate_stream`` (TGI style, this project's server), ``POST /v1/completions`` or
+``POST /v1/chat/completions`` (OpenAI style, this server or any compatible one) with prompts of a
+chosen token length, and reports TTFT, TPOT, ITL and end-to-end latency (mean and percentiles),
+request throughput, output tokens/s and goodput under SLOs. Two modes:
+
+- a sweep of fixed concurrencies (closed loop: N clients, each sends its next request when the
+  previous one ends): ``--concurrency 1,16,64,256``;
+- request rates with Poisson (``--burstiness 1``) or gamma arrivals (burstiness < 1 is burstier,
+  > 1 more regular): ``--request-rate 2,8,inf``, optionally capped by ``--max-concurrency``.
+
+Results go to ``--out-dir``: ``results.json``, ``report.md`` (also printed) and PNG plots.
+``--engine-json`` puts the offline engine benchmark's tokens/s beside each concurrency (rows
+``{"batch", "tok_per_s"}`` under ``"ours"``) with the ratio HTTP / engine.
+
+The whole item-2 sweep on a GPU host, server started and stopped by the tool:
+
+    python -m load_tests.loadgen --serve "--model random:smollm2-135m --device cuda" \\
+        --concurrency 1,16,64,256 --input-len 128 --output-len 256 \\
+        --engine-json results/engine_bench.json --out-dir results/h200
+
+Every run is bounded: a fixed number of requests per level, ``--max-duration`` per level and
+``--request-timeout`` per request. Targets other than loopback addresses need ``--allow-remote``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import logging
+import math
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+from .backends import BACKENDS, Backend
+from .metrics import RequestResult, parse_slos, summarize
+from .prompts import PromptSource, load_tokenizer
+
+log = logging.getLogger("loadgen")
+
+
+# ----------------------------------------------------------------------------- one request
+
+async def send_request(client: httpx.AsyncClient, backend: Backend, url: str, prompt: str,
+                       prompt_len: int, max_tokens: int, headers: dict, t_level: float) -> RequestResult:
+    """Send one streaming request; the loop only stamps and stores ``data:`` lines, parsing waits."""
+    result = RequestResult(prompt_len=prompt_len, max_tokens=max_tokens)
+    events: list[tuple[float, bytes]] = []
+    body = backend.body(prompt, max_tokens)
+    t0 = time.perf_counter()
+    result.start = t0 - t_level
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            result.status = resp.status_code
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode("utf-8", "replace").strip()
+                result.error = f"HTTP {resp.status_code}: {detail[:300]}"
+                result.latency = time.perf_counter() - t0
+                return result
+            pending = b""
+            async for chunk in resp.aiter_bytes():
+                t = time.perf_counter()
+                pending += chunk
+                if b"\n" not in chunk:
+                    continue
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.startswith(b"data:"):
+                        data = line[5:].strip()
+                        if data and data != b"[DONE]":
+                            events.append((t, data))
+            if pending.startswith(b"data:") and pending[5:].strip() not in (b"", b"[DONE]"):
+                events.append((time.perf_counter(), pending[5:].strip()))
+        t_end = time.perf_counter()
+    except (httpx.HTTPError, OSError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+        result.latency = time.perf_counter() - t0
+        return result
+
+    parsed = backend.parse(events)
+    result.latency = t_end - t0
+    result.tokens_counted = len(parsed.token_times)
+    result.tokens_reported = parsed.completion_tokens
+    result.prompt_tokens_reported = parsed.prompt_tokens
+    result.finish_reason = parsed.finish_reason
+    result.text_chars = len(parsed.text)
+    if parsed.token_times:
+        result.ttft = parsed.token_times[0] - t0
+        result.itl = [b - a for a, b in zip(parsed.token_times, parsed.token_times[1:])]
+    if parsed.error:
+        result.error = parsed.error
+    elif not parsed.token_times:
+        result.error = "the stream ended without a token"
+    else:
+        result.ok = True
+    return result
+
+
+# ----------------------------------------------------------------------------- one level
+
+@dataclass
+class Level:
+    mode: str                          # "concurrency" or "rate"
+    concurrency: int | None = None
+    request_rate: float | None = None
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.mode == "concurrency":
+            return f"c={self.concurrency}"
+        rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
+        cap = f", max {self.max_concurrency}" if self.max_concurrency else ""
+        return f"rate={rate}/s{cap}"
+
+    def to_dict(self) -> dict:
+        d = {"mode": self.mode, "label": self.label}
+        if self.mode == "concurrency":
+            d["concurrency"] = self.concurrency
+        else:
+            d.update(request_rate=None if math.isinf(self.request_rate) else self.request_rate,
+                     burstiness=self.burstiness, max_concurrency=self.max_concurrency)
+        return d
+
+
+def arrival_gaps(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """Gaps between ``n`` arrivals: gamma(shape=burstiness, mean=1/rate); burstiness 1 is Poisson."""
+    if math.isinf(rate):
+        return [0.0] * n
+    theta = 1.0 / (rate * burstiness)
+    return [rng.gammavariate(burstiness, theta) for _ in range(n)]
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, file=sys.stderr, leave=True,
+                dynamic_ncols=True)
+
+
+async def run_level(level: Level, backend: Backend, base_url: str, prompts: list[tuple[str, int]],
+                    max_tokens: int, headers: dict, *, request_timeout: float, max_duration: float,
+                    seed: int, progress: bool) -> tuple[list[RequestResult], float, float]:
+    """Run ``prompts`` at one level. Returns (results, duration in s, client CPU in cores)."""
+    url = base_url.rstrip("/") + backend.path
+    width = level.concurrency or level.max_concurrency or len(prompts)
+    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
+    timeout = httpx.Timeout(request_timeout, connect=min(30.0, request_timeout))
+    results: list[RequestResult] = []
+    bar = _progress(len(prompts), level.label, progress)
+    cpu0 = time.process_time()
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        t_level = time.perf_counter()
+        deadline = t_level + max_duration
+
+        async def one(prompt: str, plen: int) -> None:
+            r = await send_request(client, backend, url, prompt, plen, max_tokens, headers, t_level)
+            results.append(r)
+            if bar is not None:
+                bar.update(1)
+
+        if level.mode == "concurrency":
+            queue = iter(prompts)
+
+            async def worker() -> None:
+                for prompt, plen in queue:
+                    if time.perf_counter() >= deadline:
+                        break
+                    await one(prompt, plen)
+
+            await asyncio.gather(*(worker() for _ in range(min(level.concurrency, len(prompts)))))
+        else:
+            cap = asyncio.Semaphore(level.max_concurrency) if level.max_concurrency else None
+
+            async def limited(prompt: str, plen: int) -> None:
+                if cap is None:
+                    return await one(prompt, plen)
+                async with cap:
+                    await one(prompt, plen)
+
+            tasks = []
+            gaps = arrival_gaps(len(prompts), level.request_rate, level.burstiness, random.Random(seed))
+            next_at = time.perf_counter()
+            for (prompt, plen), gap in zip(prompts, gaps):
+                next_at += gap
+                delay = next_at - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if time.perf_counter() >= deadline:
+                    break
+                tasks.append(asyncio.create_task(limited(prompt, plen)))
+            await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t_level
+    cpu = (time.process_time() - cpu0) / duration if duration > 0 else math.nan
+    if bar is not None:
+        bar.close()
+    results.sort(key=lambda r: r.start)
+    return results, duration, cpu
+
+
+# ----------------------------------------------------------------------------- server helpers
+
+def is_loopback(host: str) -> bool:
+    """True when every address ``host`` resolves to is a loopback address."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchedServer:
+    """``python -m server`` on 127.0.0.1 for the duration of a run (``--serve``)."""
+
+    def __init__(self, extra_args: list[str], port: int, log_path: Path, timeout: float):
+        self.cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), *extra_args]
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "LaunchedServer":
+        log.info("starting %s (log: %s)", " ".join(self.cmd), self.log_path)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._stop()
+                raise RuntimeError(f"the server exited with code {self.proc.returncode}:\n{self._tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self._stop()
+        raise TimeoutError(f"the server was not healthy within {self.timeout:.0f} s:\n{self._tail()}")
+
+    def _tail(self, n: int = 3000) -> str:
+        self._log.flush()
+        return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
+
+    def _stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+
+
+def fetch_json(base_url: str, path: str, headers: dict) -> dict | None:
+    try:
+        resp = httpx.get(base_url.rstrip("/") + path, headers=headers, timeout=10.0, trust_env=False)
+        return resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def load_engine_rows(path: str | None) -> dict[int, float]:
+    """The offline engine benchmark's tokens/s by batch size: ``{"ours": [{"batch", "tok_per_s"}]}``."""
+    if not path:
+        return {}
+    data = json.loads(Path(path).read_text())
+    rows = data.get("ours") if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: expected a list of rows under the key 'ours'")
+    return {int(row["batch"]): float(row["tok_per_s"]) for row in rows
+            if isinstance(row, dict) and "batch" in row and "tok_per_s" in row}
+
+
+# ----------------------------------------------------------------------------- the run
+
+def parse_list(text: str, kind) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values:
+        raise argparse.ArgumentTypeError("empty list")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m load_tests.loadgen", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = p.add_argument_group("target")
+    target.add_argument("--base-url", default=None,
+                        help="server to load (default http://127.0.0.1:8000, or the --serve one)")
+    target.add_argument("--backend", choices=sorted(BACKENDS), default="tgi",
+                        help="tgi: /generate_stream; openai: /v1/completions; openai-chat: /v1/chat/completions")
+    target.add_argument("--endpoint", default=None, help="override the backend's path")
+    target.add_argument("--model", default=None, help="model name for OpenAI APIs (default: the first of /v1/models)")
+    target.add_argument("--api-key", default=os.environ.get("LOADGEN_API_KEY"),
+                        help="sent as 'Authorization: Bearer KEY' (default: env LOADGEN_API_KEY)")
+    target.add_argument("--allow-remote", action="store_true",
+                        help="allow a target that is not a loopback address (never needed for this project's tests)")
+    target.add_argument("--serve", metavar="ARGS", default=None,
+                        help="start 'python -m server --host 127.0.0.1 --port PORT ARGS' for the run and stop it after")
+    target.add_argument("--serve-timeout", type=float, default=900.0, help="seconds to wait for /health")
+
+    load = p.add_argument_group("load (give --concurrency or --request-rate)")
+    load.add_argument("--concurrency", type=lambda s: parse_list(s, int), default=None,
+                      help="comma-separated concurrencies to sweep, e.g. 1,16,64,256")
+    load.add_argument("--request-rate", type=lambda s: parse_list(s, float), default=None,
+                      help="comma-separated request rates per second (inf: all at once)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the arrivals: 1 Poisson, <1 burstier, >1 more regular")
+    load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight in rate mode")
+    load.add_argument("--num-prompts", type=int, default=None,
+                      help="requests per level (default: max(16, 4 x concurrency); 100 per rate)")
+    load.add_argument("--warmup", type=int, default=2, help="requests sent (and checked) before measuring")
+    load.add_argument("--max-duration", type=float, default=600.0,
+                      help="seconds after which a level sends no new request")
+    load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    load.add_argument("--seed", type=int, default=0)
+
+    req = p.add_argument_group("requests")
+    req.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    req.add_argument("--input-range", type=float, default=0.0,
+                     help="prompt lengths drawn uniformly in input-len x [1-r, 1+r]")
+    req.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    req.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                     help="do not send ignore_eos (for servers that reject it; lengths then vary)")
+    req.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    req.add_argument("--tokenizer", default="auto",
+                     help="'auto' (the embedded model's, if installed), 'none' (approximate lengths), "
+                          "or a tokenizer folder / .gguf file")
+
+    rep = p.add_argument_group("report")
+    rep.add_argument("--out-dir", default=None, help="default results/loadgen-<time>")
+    rep.add_argument("--label", default=None, help="title of the report")
+    rep.add_argument("--percentiles", type=lambda s: parse_list(s, float), default=[50.0, 90.0, 99.0])
+    rep.add_argument("--goodput", nargs="+", metavar="NAME:MS", default=None,
+                     help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (milliseconds)")
+    rep.add_argument("--engine-json", default=None,
+                     help="offline engine benchmark JSON ({'ours': [{'batch', 'tok_per_s'}]}) to compare with")
+    rep.add_argument("--engine-ratio-target", type=float, default=0.6,
+                     help="HTTP tokens/s that must reach this fraction of the engine's")
+    rep.add_argument("--no-plots", action="store_true")
+    rep.add_argument("--no-progress", action="store_true")
+    rep.add_argument("--no-requests", action="store_true", help="leave per-request records out of the JSON")
+    rep.add_argument("--strict", action="store_true",
+                     help="exit 1 on any failed request, token-count mismatch or missed engine ratio")
+    return p
+
+
+def make_levels(args) -> list[Level]:
+    if (args.concurrency is None) == (args.request_rate is None):
+        raise SystemExit("give exactly one of --concurrency and --request-rate")
+    if args.concurrency is not None:
+        if any(c < 1 for c in args.concurrency):
+            raise SystemExit("concurrencies must be >= 1")
+        return [Level("concurrency", concurrency=c) for c in args.concurrency]
+    if any(r <= 0 for r in args.request_rate) or args.burstiness <= 0:
+        raise SystemExit("request rates and burstiness must be > 0")
+    return [Level("rate", request_rate=r, burstiness=args.burstiness, max_concurrency=args.max_concurrency)
+            for r in args.request_rate]
+
+
+def level_size(level: Level, args) -> int:
+    if args.num_prompts is not None:
+        return args.num_prompts
+    return max(16, 4 * level.concurrency) if level.mode == "concurrency" else 100
+
+
+async def benchmark(args, base_url: str, headers: dict, source: PromptSource, backend: Backend,
+                    levels: list[Level], slos: dict) -> list[dict]:
+    url = base_url.rstrip("/") + backend.path
+    if args.warmup > 0:
+        prompts = source.batch(args.warmup, args.input_len)
+        timeout = httpx.Timeout(args.request_timeout, connect=30.0)
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+            warm = await asyncio.gather(*(send_request(client, backend, url, text, n, args.output_len,
+                                                       headers, time.perf_counter()) for text, n in prompts))
+        bad = [r for r in warm if not r.ok]
+        if bad:
+            hint = " (does the server accept ignore_eos? try --no-ignore-eos)" if bad[0].status in (400, 422) else ""
+            raise RuntimeError(f"warm-up request failed: {bad[0].error}{hint}")
+        if warm[0].prompt_tokens_reported and backend.name != "openai-chat":
+            source.calibrate(prompts[0][0], warm[0].prompt_tokens_reported)
+        log.info("warm-up: %d requests ok, %d tokens each", len(warm), warm[0].output_tokens)
+
+    out = []
+    for i, level in enumerate(levels):
+        prompts = source.batch(level_size(level, args), args.input_len, args.input_range)
+        results, duration, cpu = await run_level(
+            level, backend, base_url, prompts, args.output_len, headers,
+            request_timeout=args.request_timeout, max_duration=args.max_duration,
+            seed=args.seed + i, progress=not args.no_progress)
+        summary = summarize(results, duration, args.percentiles, slos, expect_exact=args.ignore_eos)
+        summary["client_cpu_cores"] = cpu
+        s = summary
+        log.info("%s: %d/%d ok in %.1f s, %.1f req/s, %.1f output tok/s, TTFT p50 %.1f ms, ITL p50 %.2f ms",
+                 level.label, s["completed"], s["requests"], duration, s["request_throughput"],
+                 s["output_throughput"], s["ttft_ms"].get("p50", math.nan), s["itl_ms"].get("p50", math.nan))
+        if cpu > 0.9:
+            log.warning("%s: the load generator used %.0f%% of a core; its own overhead may limit the "
+                        "numbers (run it on another host, or several processes)", level.label, cpu * 100)
+        out.append({"level": level.to_dict(), "summary": summary, "results": results})
+    return out
+
+
+def run(args) -> int:
+    from . import report
+
+    levels = make_levels(args)
+    slos = parse_slos(args.goodput)
+    engine = load_engine_rows(args.engine_json)
+    if args.input_len < 1 or args.output_len < 1:
+        raise SystemExit("--input-len and --output-len must be >= 1")
+
+    out_dir = Path(args.out_dir or f"results/loadgen-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+    server = None
+    if args.serve is not None:
+        import shlex
+        port = urllib.parse.urlsplit(args.base_url).port if args.base_url else None
+        server = LaunchedServer(shlex.split(args.serve), port or free_port(), out_dir / "server.log",
+                                args.serve_timeout)
+        base_url = server.base_url
+    else:
+        base_url = args.base_url or "http://127.0.0.1:8000"
+    host = urllib.parse.urlsplit(base_url).hostname or ""
+    if not args.allow_remote and not is_loopback(host):
+        raise SystemExit(f"{host!r} is not a loopback address: pass --allow-remote to load a remote server")
+
+    t_tok = time.monotonic()
+    source = PromptSource(load_tokenizer(args.tokenizer), seed=args.seed)
+    log.info("prompts: %s token lengths (tokenizer ready in %.1f s)",
+             "exact" if source.exact else "approximate", time.monotonic() - t_tok)
+
+    started = datetime.now(timezone.utc)
+    if server is not None:
+        server.__enter__()
+    try:
+        models = fetch_json(base_url, "/v1/models", headers)
+        model = args.model
+        if model is None and models and models.get("data"):
+            model = models["data"][0].get("id")
+        backend_cls = BACKENDS[args.backend]
+        if backend_cls.needs_model and not model:
+            raise SystemExit("no --model given and /v1/models named none")
+        backend = backend_cls(model=model, ignore_eos=args.ignore_eos, temperature=args.temperature,
+                              path=args.endpoint)
+        health = fetch_json(base_url, "/health", headers)
+        levels_out = asyncio.run(benchmark(args, base_url, headers, source, backend, levels, slos))
+    finally:
+        if server is not None:
+            server.__exit__(None, None, None)
+
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key",)}
+    config.update(base_url=base_url, endpoint=backend.path, model=model,
+                  prompt_lengths="exact" if source.exact else "approximate",
+                  tokens_per_word=None if source.exact else source.tokens_per_word, slos_ms=slos)
+    doc = {
+        "created": started.isoformat(timespec="seconds"),
+        "label": args.label or f"{args.backend} {base_url}",
+        "config": config,
+        "client": {"python": platform.python_version(), "httpx": httpx.__version__,
+                   "host": platform.node(), "cpus": os.cpu_count()},
+        "server": {"health": health, "models": models},
+        "engine": {"source": args.engine_json, "tok_per_s_by_batch": engine,
+                   "ratio_target": args.engine_ratio_target} if engine else None,
+        "levels": [{"level": lv["level"], "summary": lv["summary"],
+                    **({} if args.no_requests else {"requests": [r.to_dict() for r in lv["results"]]})}
+                   for lv in levels_out],
+    }
+    report.add_engine_comparison(doc)
+    paths = report.write_all(doc, out_dir, plots=not args.no_plots, raw=[lv["results"] for lv in levels_out])
+    print(paths["markdown_text"])
+    for name, path in paths.items():
+        if name != "markdown_text":
+            log.info("wrote %s", path)
+
+    if args.strict:
+        problems = report.problems(doc)
+        for problem in problems:
+            log.error("%s", problem)
+        return 1 if problems else 0
+    return 0 if any(lv["summary"]["completed"] for lv in doc["levels"]) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (RuntimeError, TimeoutError, ValueError, OSError) as exc:
+        log.error("%s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""API-independent glue between a route and the engine: tokenizing off the event loop, length
+checks, admission, and one ``Generation`` per admitted request that records metrics, writes
+the request's log line and aborts the engine request if it is left unfinished."""
+
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+import anyio
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from .engine.errors import QueueFullError
+from .engine.params import FinishEvent, SamplingParams, TokenEvent
+from .http_errors import ApiError
+from .services import Services
+
+log = logging.getLogger("server.generation")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its non-streaming answer was ready."""
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str                      # what was tokenized (the rendered chat for chat requests)
+    tokenize_s: float = 0.0
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+async def encode_text(tokenizer, text: str) -> Prompt:
+    started = time.perf_counter()
+    ids = await run_in_threadpool(_encode, tokenizer, text, True)
+    return Prompt(ids, text, time.perf_counter() - started)
+
+
+def _render_chat(tokenizer, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+async def encode_chat(tokenizer, messages: list[dict]) -> Prompt:
+    started = time.perf_counter()
+    try:
+        text = await run_in_threadpool(_render_chat, tokenizer, messages)
+    except Exception as exc:       # jinja raises on conversations its template refuses
+        raise ApiError(400, f"messages do not fit the model's chat template: {exc}",
+                       param="messages") from exc
+    # The template already wrote any special tokens it wants.
+    ids = await run_in_threadpool(_encode, tokenizer, text, False)
+    return Prompt(ids, text, time.perf_counter() - started)
+
+
+async def decode_ids(tokenizer, ids: list[int]) -> str:
+    return await run_in_threadpool(tokenizer.decode, ids)
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
+                       param="prompt")
+
+
+def resolve_max_new_tokens(requested: int | None, prompt_len: int, max_model_len: int,
+                           default: int, param: str, max_prompt_tokens: int | None = None) -> int:
+    """The number of tokens to generate, or 400 naming the numbers that do not fit."""
+    if prompt_len < 1:
+        raise ApiError(400, "the prompt is empty after tokenization", param="inputs")
+    prompt_limit = min(max_prompt_tokens or max_model_len - 1, max_model_len - 1)
+    if prompt_len > prompt_limit:
+        raise ApiError(400, f"the prompt has {prompt_len} tokens, over the limit of {prompt_limit} "
+                            f"(context length {max_model_len})", param="inputs")
+    room = max_model_len - prompt_len
+    if requested is None:
+        return min(default, room)
+    if requested > room:
+        raise ApiError(400, f"the prompt ({prompt_len} tokens) plus {param} ({requested}) is "
+                            f"{prompt_len + requested} tokens, over the context length of "
+                            f"{max_model_len} tokens", param=param)
+    return requested
+
+
+def finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+class Generation:
+    """One admitted request's events. Iterate it; call ``close()`` when done (idempotent)."""
+
+    def __init__(self, services: Services, engine, stream, *, request_id: str, endpoint: str,
+                 prompt: Prompt, params: SamplingParams, streaming: bool):
+        self.services = services
+        self.engine = engine
+        self.stream = stream
+        self.engine_request_id = stream.request_id
+        self.request_id = request_id
+        self.endpoint = endpoint
+        self.prompt = prompt
+        self.params = params
+        self.streaming = streaming
+        self.created = int(time.time())
+        self.tokens: list[TokenEvent] = []
+        self.finish: FinishEvent | None = None
+        self._closed = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt.ids)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent | FinishEvent:
+        if self.finish is not None:
+            raise StopAsyncIteration
+        event = await self.stream.__anext__()
+        metrics = self.services.metrics
+        if isinstance(event, TokenEvent):
+            if self.tokens and event.time and self.tokens[-1].time:
+                metrics.inter_token.observe(max(0.0, event.time - self.tokens[-1].time))
+            self.tokens.append(event)
+        else:
+            self.finish = event
+            self._record(event.reason, event.prompt_tokens, event.completion_tokens, event.timings,
+                         event.error)
+        return event
+
+    async def collect(self, request: Request) -> FinishEvent:
+        """Runs to the finish event; aborts and raises ClientGone if the client disconnects."""
+        async def consume(scope: anyio.CancelScope):
+            async for _ in self:
+                pass
+            scope.cancel()
+
+        async def watch(scope: anyio.CancelScope):
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume, tg.cancel_scope)
+                tg.start_soon(watch, tg.cancel_scope)
+        finally:
+            self.close()
+        if self.finish is None:
+            raise ClientGone()
+        return self.finish
+
+    def close(self) -> None:
+        """Aborts the engine request unless it finished (client gone, or an error of ours)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.finish is None:
+            self.engine.abort(self.engine_request_id)
+            self._record("abort", self.prompt_tokens, len(self.tokens), {}, "client disconnected",
+                         client_gone=True)
+
+    def _record(self, reason: str, prompt_tokens: int, completion_tokens: int, timings: dict,
+                error: str | None, client_gone: bool = False) -> None:
+        metrics = self.services.metrics
+        metrics.finished.labels(reason=reason).inc()
+        metrics.prompt_tokens.inc(prompt_tokens)
+        metrics.generation_tokens.inc(completion_tokens)
+        if timings.get("queue") is not None:
+            metrics.queue.observe(timings["queue"])
+        if timings.get("ttft") is not None:
+            metrics.ttft.observe(timings["ttft"])
+        if timings.get("total") is not None and reason not in ("abort", "error"):
+            metrics.e2e.observe(timings["total"])
+        fields = {
+            "request_id": self.request_id, "engine_request_id": self.engine_request_id,
+            "endpoint": self.endpoint, "stream": self.streaming, "finish_reason": reason,
+            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "max_new_tokens": self.params.max_new_tokens, "greedy": self.params.greedy,
+            "tokenize_s": round(self.prompt.tokenize_s, 6),
+            **{f"{k}_s": round(v, 6) for k, v in timings.items() if v is not None},
+        }
+        if error:
+            fields["error"] = error
+        if self.services.settings.log_prompts:
+            fields["prompt"] = self.prompt.text
+            fields["generated_text"] = (self.finish.text if self.finish is not None
+                                        else "".join(t.text for t in self.tokens))
+        level = logging.ERROR if reason == "error" else logging.INFO
+        log.log(level, "client disconnected; request aborted" if client_gone else "request finished",
+                extra={"fields": fields})
+
+
+def submit(services: Services, engine, request: Request, prompt: Prompt, params: SamplingParams,
+           *, endpoint: str, streaming: bool) -> Generation:
+    """Hands the request to the engine (on the event-loop thread, as the engine requires)."""
+    metrics = services.metrics
+    try:
+        stream = engine.add_request(prompt.ids, params, request_id=uuid.uuid4().hex)
+    except QueueFullError:
+        metrics.rejected.labels(reason="queue_full").inc()
+        raise
+    except ValueError as exc:
+        metrics.rejected.labels(reason="invalid").inc()
+        raise ApiError(400, str(exc)) from exc
+    return Generation(services, engine, stream, request_id=request.state.request_id,
+                      endpoint=endpoint, prompt=prompt, params=params, streaming=streaming)
+
+
+def plan_max_new_tokens(services: Services, engine, prompt: Prompt, requested: int | None,
+                        default: int, param: str) -> int:
+    try:
+        return resolve_max_new_tokens(requested, len(prompt.ids), engine.max_model_len, default,
+                                      param, services.settings.max_prompt_tokens)
+    except ApiError:
+        services.metrics.rejected.labels(reason="too_long").inc()
+        raise

@@ -1,0 +1,180 @@
+"""Text Generation Inference-shaped routes: POST /generate, POST /generate_stream, GET /info."""
+
+import asyncio
+import importlib.metadata
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+
+from .engine.params import FinishEvent, SamplingParams, TokenEvent
+from .generation import (ClientGone, Generation, Prompt, encode_chat, encode_text, finite_or_none,
+                         plan_max_new_tokens, submit)
+from .http_errors import ApiError
+from .schemas import (MAX_STOP_SEQUENCES, ErrorResponse, GenerateParameters, GenerateRequest,
+                      GenerateResponse, Info, StreamResponse, chat_template_messages)
+from .services import Services, get_services, ready_engine
+from .sse import SSE_RESPONSE_DOC, GenerationEventStream, sse_json
+
+log = logging.getLogger("server.tgi")
+router = APIRouter(tags=["TGI"])
+
+FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequence",
+                  "abort": "abort", "error": "error"}
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 422, 429, 500, 503)}
+
+
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("flashdecode-server")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def sampling_params(p: GenerateParameters, max_new_tokens: int) -> SamplingParams:
+    sample = p.wants_sampling()
+    temperature = (1.0 if p.temperature is None else p.temperature) if sample else 0.0
+    seed = p.seed
+    if seed is None and temperature > 0:
+        seed = secrets.randbits(63)     # reported in details, so a sample can be replayed
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=p.top_p if p.top_p is not None else 1.0, top_k=p.top_k or 0,
+                          repetition_penalty=p.repetition_penalty or 1.0, seed=seed,
+                          stop=tuple(p.stop), logprobs=True, ignore_eos=p.ignore_eos)
+
+
+def token_json(event: TokenEvent) -> dict:
+    return {"id": event.token_id, "text": event.text, "logprob": finite_or_none(event.logprob),
+            "special": event.special}
+
+
+async def build_prompt(body: GenerateRequest, engine) -> Prompt:
+    if body.messages is not None:
+        prompt = await encode_chat(engine.tokenizer, chat_template_messages(body.messages))
+    else:
+        prompt = await encode_text(engine.tokenizer, body.inputs)
+    truncate = body.parameters.truncate
+    if truncate is not None and len(prompt.ids) > truncate:
+        prompt.ids = prompt.ids[-truncate:]
+    return prompt
+
+
+async def with_last_token(gen: Generation, grace: float
+                          ) -> AsyncIterator[tuple[TokenEvent | None, FinishEvent | None]]:
+    """Yields (token, None) for each token and finally (last token, finish). The newest token
+    is held back up to ``grace`` seconds to learn whether the finish event follows it, so that
+    the last token event can carry generated_text and details, as TGI's does."""
+    held: TokenEvent | None = None
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(gen.__anext__())
+            if held is not None and not pending.done():
+                done, _ = await asyncio.wait({pending}, timeout=grace)
+                if not done:
+                    yield held, None
+                    held = None
+                    continue
+            event = await pending
+            pending = None
+            if isinstance(event, FinishEvent):
+                yield held, event
+                return
+            if held is not None:
+                yield held, None
+            held = event
+    finally:
+        if pending is not None:
+            pending.cancel()
+
+
+async def tgi_stream(gen: Generation, prefix: str, grace: float) -> AsyncIterator[bytes]:
+    index = 0
+    try:
+        async with aclosing(with_last_token(gen, grace)) as events:
+            async for token, finish in events:
+                if finish is None or finish.reason in ("error", "abort"):
+                    if token is not None:
+                        index += 1
+                        yield sse_json({"index": index, "token": token_json(token),
+                                        "generated_text": None, "details": None, "top_tokens": None})
+                    if finish is not None:
+                        message = (f"generation failed: {finish.error}" if finish.reason == "error"
+                                   else "the request was aborted by the server")
+                        yield sse_json({"error": message, "error_type": "generation"})
+                    continue
+                if token is None:
+                    # The last token already went out without its finish event: close with an
+                    # empty special token, so that concatenating token texts stays right.
+                    last = gen.tokens[-1] if gen.tokens else None
+                    token = TokenEvent(last.token_id if last else 0, "", None, True)
+                index += 1
+                yield sse_json({
+                    "index": index, "token": token_json(token),
+                    "generated_text": prefix + finish.text,
+                    "details": {"finish_reason": FINISH_REASONS[finish.reason],
+                                "generated_tokens": finish.completion_tokens,
+                                "seed": gen.params.seed, "input_length": finish.prompt_tokens},
+                    "top_tokens": None})
+    except Exception:
+        log.exception("stream failed", extra={"fields": {"request_id": gen.request_id}})
+        yield sse_json({"error": "internal server error", "error_type": "internal"})
+
+
+async def run_generate(body: GenerateRequest, request: Request, engine, services: Services,
+                       *, stream: bool, endpoint: str) -> Response:
+    prompt = await build_prompt(body, engine)
+    params = body.parameters
+    max_new = plan_max_new_tokens(services, engine, prompt, params.max_new_tokens,
+                                  services.settings.default_max_new_tokens,
+                                  "parameters.max_new_tokens")
+    sampling = sampling_params(params, max_new)
+    prefix = prompt.text if params.return_full_text else ""
+    gen = submit(services, engine, request, prompt, sampling, endpoint=endpoint, streaming=stream)
+    if stream:
+        return GenerationEventStream(
+            tgi_stream(gen, prefix, services.settings.tgi_final_token_grace_s), gen)
+    try:
+        finish = await gen.collect(request)
+    except ClientGone:
+        return Response(status_code=499)
+    if finish.reason == "error":
+        raise ApiError(500, f"generation failed: {finish.error}")
+    if finish.reason == "abort":
+        raise ApiError(503, "the request was aborted by the server")
+    answer = {"generated_text": prefix + finish.text}
+    if params.details:
+        answer["details"] = {"finish_reason": FINISH_REASONS[finish.reason],
+                             "generated_tokens": finish.completion_tokens, "seed": sampling.seed,
+                             "prefill": [], "tokens": [token_json(t) for t in gen.tokens]}
+    return JSONResponse(answer)
+
+
+@router.post("/generate", response_model=GenerateResponse,
+             responses={200: {"content": SSE_RESPONSE_DOC}, **ERRORS},
+             summary="Generate text (JSON, or server-sent events with stream=true)")
+async def generate(body: GenerateRequest, request: Request, engine=Depends(ready_engine),
+                   services: Services = Depends(get_services)) -> Response:
+    return await run_generate(body, request, engine, services, stream=body.stream,
+                              endpoint="generate")
+
+
+@router.post("/generate_stream",
+             responses={200: {"content": SSE_RESPONSE_DOC, "model": StreamResponse}, **ERRORS},
+             summary="Generate text as server-sent events (the body's `stream` is ignored)")
+async def generate_stream(body: GenerateRequest, request: Request, engine=Depends(ready_engine),
+                          services: Services = Depends(get_services)) -> Response:
+    return await run_generate(body, request, engine, services, stream=True,
+                              endpoint="generate_stream")
+
+
+@router.get("/info", response_model=Info, summary="Model and limits")
+async def info(engine=Depends(ready_engine), services: Services = Depends(get_services)) -> Info:
+    limit = services.settings.max_prompt_tokens or engine.max_model_len - 1
+    return Info(model_id=engine.model_name, max_input_tokens=min(limit, engine.max_model_len - 1),
+                max_total_tokens=engine.max_model_len, max_stop_sequences=MAX_STOP_SEQUENCES,
+                version=server_version())

@@ -1,0 +1,213 @@
+"""Bodies of the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from .schemas import MAX_STOP_SEQUENCES, ChatMessage, StopSequence, Strict, _require_neutral
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class StreamOptions(Strict):
+    include_usage: bool = Field(False, description="Send a last chunk with token usage before [DONE].")
+
+
+class _SamplingFields(Strict):
+    model: str = Field(description="The id listed by GET /v1/models.")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, description="Only 1 is supported.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: StopSequence | list[StopSequence] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    presence_penalty: float | None = Field(None, description="Only 0 is supported.")
+    frequency_penalty: float | None = Field(None, description="Only 0 is supported; "
+                                                              "see repetition_penalty.")
+    logit_bias: dict[str, float] | None = Field(None, description="Only an empty map is supported.")
+    user: str | None = Field(None, description="Accepted and ignored.")
+    # Extensions in vLLM's spelling.
+    top_k: int | None = Field(None, ge=0, description="0 turns the top-k cut off.")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    ignore_eos: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        return _require_neutral(v, (None, 1), "n other than 1")
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalties(cls, v):
+        return _require_neutral(v, (None, 0, 0.0), "a non-zero presence/frequency penalty")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported by this server")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        return v
+
+    def stop_tuple(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        description="One prompt: a string or a list of token ids (a one-element list of either "
+                    "is accepted too).")
+    max_tokens: int | None = Field(None, ge=1, description="Default 16, as OpenAI's.")
+    echo: bool = Field(False, description="Prepend the prompt to the returned text.")
+    logprobs: int | None = Field(None, ge=0, le=5, description=(
+        "Return the log probability of each generated token. Only the sampled token is "
+        "reported in top_logprobs, whatever the number asked for."))
+    best_of: int | None = Field(None, description="Only 1 is supported.")
+    suffix: None = Field(None, description="Not supported; null only.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("the prompt is empty")
+            return v
+        if not v:
+            raise ValueError("the prompt is empty")
+        if isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+            if not v[0]:
+                raise ValueError("the prompt is empty")
+            return v[0]
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        return _require_neutral(v, (None, 1), "best_of other than 1")
+
+
+class ResponseFormat(Strict):
+    type: Literal["text"] = Field(description="Only plain text is supported.")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated OpenAI name of "
+                                                           "max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, description="Only 0 is supported.")
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = Field(None, description="Not supported; null or [] only.")
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored.")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v):
+        return _require_neutral(v, (None, 0), "top_logprobs above 0")
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        if v:
+            raise ValueError("tools are not supported by this server")
+        return v
+
+    @model_validator(mode="after")
+    def _one_limit(self):
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise ValueError("give max_completion_tokens or max_tokens, not two different values")
+        return self
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float | None]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float | None
+    bytes: list[int]
+    top_logprobs: list[Any] = []
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "flashdecode"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

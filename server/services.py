@@ -1,0 +1,56 @@
+"""What the routes reach through ``request.app.state.services``: engine, settings, metrics."""
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from .http_errors import ApiError
+from .metrics import Metrics
+from .settings import Settings
+
+
+@dataclass
+class EngineSlot:
+    """Holds the engine once it is loaded; ``load_error`` is set if loading failed."""
+    engine: object | None = None
+    load_error: str | None = None
+
+    def get(self):
+        return self.engine
+
+
+@dataclass
+class Services:
+    settings: Settings
+    slot: EngineSlot
+    metrics: Metrics
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    def health(self) -> tuple[bool, str, str | None]:
+        """(healthy, status, error message)."""
+        if self.slot.load_error is not None:
+            return False, "error", self.slot.load_error
+        engine = self.slot.engine
+        if engine is None:
+            return False, "loading", None
+        if engine.error is not None:
+            return False, "error", engine.error
+        if not engine.ready:
+            return False, "loading", None
+        return True, "ok", None
+
+
+def get_services(request: Request) -> Services:
+    return request.app.state.services
+
+
+def ready_engine(request: Request):
+    """The engine, or 503 with Retry-After while it is loading or after it failed."""
+    services = get_services(request)
+    healthy, status, _ = services.health()
+    if not healthy:
+        if status == "loading":
+            raise ApiError(503, "the model is still loading", headers={"Retry-After": "5"})
+        raise ApiError(503, "the engine has failed; see /health")
+    return services.slot.engine
