@@ -1,0 +1,222 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models."""
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+
+from .engine.params import FinishEvent, SamplingParams, TokenEvent
+from .generation import (ClientGone, Generation, Prompt, check_token_ids, decode_ids, encode_chat,
+                         encode_text, finite_or_none, plan_max_new_tokens, submit)
+from .http_errors import ApiError, error_body
+from .schemas import chat_template_messages
+from .schemas_openai import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                             CompletionResponse, ModelCard, ModelList, OpenAIErrorResponse,
+                             _SamplingFields)
+from .services import Services, get_services, ready_engine
+from .sse import DONE, SSE_RESPONSE_DOC, GenerationEventStream, sse_json
+
+log = logging.getLogger("server.openai")
+router = APIRouter(prefix="/v1", tags=["OpenAI"])
+
+FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort", "error": "error"}
+ERRORS = {status: {"model": OpenAIErrorResponse} for status in (400, 401, 404, 413, 422, 429, 500, 503)}
+STREAM_ERRORS = {200: {"content": SSE_RESPONSE_DOC}, **ERRORS}
+
+
+def served_names(engine, services: Services) -> set[str]:
+    return {engine.model_name, services.settings.model}
+
+
+def check_model(name: str, engine, services: Services) -> None:
+    if name not in served_names(engine, services):
+        raise ApiError(404, f"the model `{name}` does not exist; this server serves "
+                            f"`{engine.model_name}`", param="model")
+
+
+def sampling_params(body: _SamplingFields, max_new_tokens: int, logprobs: bool) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens,
+                          temperature=1.0 if body.temperature is None else body.temperature,
+                          top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                          repetition_penalty=body.repetition_penalty or 1.0, seed=body.seed,
+                          stop=body.stop_tuple(), logprobs=logprobs, ignore_eos=body.ignore_eos)
+
+
+def usage(finish: FinishEvent) -> dict:
+    return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
+            "total_tokens": finish.prompt_tokens + finish.completion_tokens}
+
+
+def visible(tokens: list[TokenEvent]) -> list[TokenEvent]:
+    """Tokens OpenAI would list in logprobs (not the end-of-sequence token)."""
+    return [t for t in tokens if not (t.special and not t.text)]
+
+
+def completion_logprobs(tokens: list[TokenEvent], offset: int) -> dict:
+    tokens = visible(tokens)
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.text)
+    lps = [finite_or_none(t.logprob) for t in tokens]
+    return {"tokens": [t.text for t in tokens], "token_logprobs": lps,
+            "top_logprobs": [{t.text: lp} for t, lp in zip(tokens, lps)], "text_offset": offsets}
+
+
+def chat_logprobs(tokens: list[TokenEvent]) -> dict:
+    return {"content": [{"token": t.text, "logprob": finite_or_none(t.logprob),
+                         "bytes": list(t.text.encode("utf-8")), "top_logprobs": []}
+                        for t in visible(tokens)]}
+
+
+def stream_error(finish: FinishEvent) -> bytes:
+    if finish.reason == "error":
+        return sse_json(error_body("/v1/", 500, f"generation failed: {finish.error}"))
+    return sse_json(error_body("/v1/", 503, "the request was aborted by the server"))
+
+
+async def openai_stream(gen: Generation, *, head: list[dict], chunk: Callable[[dict], dict],
+                        token_choice: Callable[[TokenEvent], dict | None],
+                        final_choice: Callable[[FinishEvent], dict],
+                        include_usage: bool) -> AsyncIterator[bytes]:
+    """``data:`` chunks: ``head`` choices, one per token with text, the finish reason, optional
+    usage, then [DONE]. An error ends the stream with an error event instead."""
+    extra = {"usage": None} if include_usage else {}
+    try:
+        for choice in head:
+            yield sse_json({**chunk(choice), **extra})
+        async for event in gen:
+            if isinstance(event, TokenEvent):
+                choice = token_choice(event)
+                if choice is not None:
+                    yield sse_json({**chunk(choice), **extra})
+                continue
+            if event.reason in ("error", "abort"):
+                yield stream_error(event)
+                return
+            yield sse_json({**chunk(final_choice(event)), **extra})
+            if include_usage:
+                yield sse_json({**chunk(None), "choices": [], "usage": usage(event)})
+            yield DONE
+    except Exception:
+        log.exception("stream failed", extra={"fields": {"request_id": gen.request_id}})
+        yield sse_json(error_body("/v1/", 500, "internal server error"))
+
+
+async def finish_or_raise(gen: Generation, request: Request) -> FinishEvent | None:
+    """The finish event of a non-streaming request; None if the client went away."""
+    try:
+        finish = await gen.collect(request)
+    except ClientGone:
+        return None
+    if finish.reason == "error":
+        raise ApiError(500, f"generation failed: {finish.error}")
+    if finish.reason == "abort":
+        raise ApiError(503, "the request was aborted by the server")
+    return finish
+
+
+def envelope(gen: Generation, object_name: str, id_prefix: str, model: str) -> Callable[[dict], dict]:
+    base = {"id": f"{id_prefix}-{gen.engine_request_id}", "object": object_name,
+            "created": gen.created, "model": model}
+    return lambda choice: {**base, "choices": [choice] if choice is not None else []}
+
+
+@router.post("/completions", response_model=CompletionResponse, responses=STREAM_ERRORS,
+             summary="Text completion (OpenAI)")
+async def completions(body: CompletionRequest, request: Request, engine=Depends(ready_engine),
+                      services: Services = Depends(get_services)) -> Response:
+    check_model(body.model, engine, services)
+    if isinstance(body.prompt, str):
+        prompt = await encode_text(engine.tokenizer, body.prompt)
+    else:
+        check_token_ids(body.prompt, len(engine.tokenizer))
+        prompt = Prompt(list(body.prompt), await decode_ids(engine.tokenizer, body.prompt))
+    max_new = plan_max_new_tokens(services, engine, prompt, body.max_tokens,
+                                  services.settings.default_completion_tokens, "max_tokens")
+    want_logprobs = body.logprobs is not None
+    gen = submit(services, engine, request, prompt, sampling_params(body, max_new, want_logprobs),
+                 endpoint="completions", streaming=body.stream)
+    echo = prompt.text if body.echo else ""
+    chunk = envelope(gen, "text_completion", "cmpl", body.model)
+
+    if body.stream:
+        offset = [len(echo)]
+
+        def token_choice(t: TokenEvent) -> dict | None:
+            if not t.text and not want_logprobs:
+                return None
+            lp = completion_logprobs([t], offset[0]) if want_logprobs else None
+            offset[0] += len(t.text)
+            return {"index": 0, "text": t.text, "logprobs": lp, "finish_reason": None}
+
+        head = [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}] if echo else []
+        return GenerationEventStream(openai_stream(
+            gen, head=head, chunk=chunk, token_choice=token_choice,
+            final_choice=lambda f: {"index": 0, "text": "", "logprobs": None,
+                                    "finish_reason": FINISH_REASONS[f.reason]},
+            include_usage=body.include_usage()), gen)
+
+    finish = await finish_or_raise(gen, request)
+    if finish is None:
+        return Response(status_code=499)
+    choice = {"index": 0, "text": echo + finish.text,
+              "logprobs": completion_logprobs(gen.tokens, len(echo)) if want_logprobs else None,
+              "finish_reason": FINISH_REASONS[finish.reason]}
+    return JSONResponse({**chunk(choice), "usage": usage(finish)})
+
+
+@router.post("/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_ERRORS,
+             summary="Chat completion (OpenAI)")
+async def chat_completions(body: ChatCompletionRequest, request: Request, engine=Depends(ready_engine),
+                           services: Services = Depends(get_services)) -> Response:
+    check_model(body.model, engine, services)
+    prompt = await encode_chat(engine.tokenizer, chat_template_messages(body.messages))
+    max_new = plan_max_new_tokens(services, engine, prompt, body.token_limit(),
+                                  services.settings.default_max_new_tokens, "max_completion_tokens")
+    gen = submit(services, engine, request, prompt, sampling_params(body, max_new, body.logprobs),
+                 endpoint="chat.completions", streaming=body.stream)
+    chunk = envelope(gen, "chat.completion.chunk" if body.stream else "chat.completion",
+                     "chatcmpl", body.model)
+
+    if body.stream:
+        def token_choice(t: TokenEvent) -> dict | None:
+            if not t.text:
+                return None
+            return {"index": 0, "delta": {"content": t.text},
+                    "logprobs": chat_logprobs([t]) if body.logprobs else None, "finish_reason": None}
+
+        head = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}]
+        return GenerationEventStream(openai_stream(
+            gen, head=head, chunk=chunk, token_choice=token_choice,
+            final_choice=lambda f: {"index": 0, "delta": {}, "logprobs": None,
+                                    "finish_reason": FINISH_REASONS[f.reason]},
+            include_usage=body.include_usage()), gen)
+
+    finish = await finish_or_raise(gen, request)
+    if finish is None:
+        return Response(status_code=499)
+    choice = {"index": 0, "message": {"role": "assistant", "content": finish.text},
+              "logprobs": chat_logprobs(gen.tokens) if body.logprobs else None,
+              "finish_reason": FINISH_REASONS[finish.reason]}
+    return JSONResponse({**chunk(choice), "usage": usage(finish)})
+
+
+def model_card(engine, services: Services) -> dict:
+    return ModelCard(id=engine.model_name, created=services.started,
+                     max_model_len=engine.max_model_len).model_dump()
+
+
+@router.get("/models", response_model=ModelList, responses=ERRORS, summary="The served model")
+async def list_models(engine=Depends(ready_engine), services: Services = Depends(get_services)):
+    return {"object": "list", "data": [model_card(engine, services)]}
+
+
+@router.get("/models/{model_id:path}", response_model=ModelCard, responses=ERRORS,
+            summary="One model")
+async def get_model(model_id: str, engine=Depends(ready_engine),
+                    services: Services = Depends(get_services)):
+    check_model(model_id, engine, services)
+    return model_card(engine, services)

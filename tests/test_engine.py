@@ -1,0 +1,171 @@
+"""Engine pieces on the CPU: pool accounting, scheduling under pressure, sampling, text."""
+
+import random
+
+import pytest
+import torch
+
+from models import load_model
+from server.engine import Engine, EngineConfig, SamplingParams
+from server.engine.block_manager import BlockManager
+from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from server.engine.sampler import SamplingRows, hashed_uniforms, sample
+
+from .helpers import run_all
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("random:tiny", dtype="float32", device="cpu")
+
+
+def test_block_manager_grows_and_releases():
+    blocks = BlockManager(num_blocks=10, block_size=4)
+    table: list[int] = []
+    blocks.grow(table, 9)
+    assert len(table) == 3 and blocks.num_free == 7
+    blocks.grow(table, 12)
+    assert len(table) == 3
+    assert not blocks.can_grow(table, 4 * 11)
+    with pytest.raises(RuntimeError):
+        blocks.grow(table, 4 * 11)
+    blocks.release(table)
+    assert table == [] and blocks.num_free == 10
+
+
+def test_every_block_returns_after_aborts_and_preemption(tiny):
+    # A pool far smaller than the offered load forces preemption; some requests are aborted.
+    engine = Engine(tiny, EngineConfig(max_batch=16, num_blocks=24, block_size=16, max_prefill_tokens=96))
+    engine.start()
+    rng = random.Random(1234)
+    requests = []
+    for i in range(200):
+        prompt = [rng.randrange(3, 49000) for _ in range(rng.randint(1, 60))]
+        params = SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=True,
+                                temperature=rng.choice([0.0, 0.7]), seed=i)
+        requests.append((prompt, params, rng.randint(1, 5) if i % 7 == 0 else None))
+    try:
+        results = run_all(engine, requests)
+        reasons = [finish.reason for _, _, finish in results]
+        assert reasons.count("abort") >= 1 and "error" not in reasons
+        for (prompt, params, abort_after), (tokens, _, finish) in zip(requests, results):
+            assert finish.completion_tokens == len(tokens)
+            if finish.reason == "length":
+                assert len(tokens) == params.max_new_tokens
+        assert engine.stats().preemptions > 0
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+        assert engine.stats().running == engine.stats().waiting == 0
+    finally:
+        engine.shutdown()
+
+
+def test_preempted_request_gives_the_same_tokens(tiny):
+    prompts = [[5 + i + j for j in range(40)] for i in range(6)]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    roomy = Engine(tiny, EngineConfig(max_batch=8, num_blocks=64, block_size=16))
+    tight = Engine(tiny, EngineConfig(max_batch=8, num_blocks=12, block_size=16))
+    for e in (roomy, tight):
+        e.start()
+    try:
+        expected = run_all(roomy, [(p, params) for p in prompts])
+        got = run_all(tight, [(p, params) for p in prompts])
+        assert tight.stats().preemptions > 0
+        assert [t for t, _, _ in got] == [t for t, _, _ in expected]
+    finally:
+        roomy.shutdown()
+        tight.shutdown()
+
+
+def test_long_prompt_is_prefilled_in_chunks(tiny):
+    engine = Engine(tiny, EngineConfig(max_batch=4, num_blocks=64, block_size=16, max_prefill_tokens=32))
+    whole = Engine(tiny, EngineConfig(max_batch=4, num_blocks=64, block_size=16, max_prefill_tokens=4096))
+    prompt = [7 + (i * 31) % 4000 for i in range(150)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    for e in (engine, whole):
+        e.start()
+    try:
+        (chunked,) = run_all(engine, [(prompt, params)])
+        (single,) = run_all(whole, [(prompt, params)])
+        assert chunked[0] == single[0]
+        assert engine.steps >= 150 // 32 + 8
+    finally:
+        engine.shutdown()
+        whole.shutdown()
+
+
+def rows(n, **kw):
+    base = dict(temperature=[1.0] * n, top_k=[0] * n, top_p=[1.0] * n, repetition_penalty=[1.0] * n,
+                seeds=list(range(n)), positions=[0] * n, history=None, want_logprobs=False)
+    base.update(kw)
+    return SamplingRows(**base)
+
+
+def test_greedy_and_degenerate_filters_pick_the_argmax():
+    logits = torch.randn(5, 300)
+    best = logits.argmax(-1)
+    assert torch.equal(sample(logits, rows(5, temperature=[0.0] * 5))[0], best)
+    assert torch.equal(sample(logits, rows(5, top_k=[1] * 5))[0], best)
+    assert torch.equal(sample(logits, rows(5, top_p=[1e-6] * 5))[0], best)
+
+
+def test_seeded_draw_does_not_depend_on_the_batch():
+    logits = torch.randn(4, 1000)
+    alone = sample(logits[2:3], rows(1, seeds=[99], positions=[7]))[0]
+    batched = sample(logits, rows(4, seeds=[1, 2, 99, 4], positions=[0, 3, 7, 1]))[0]
+    assert batched[2] == alone[0]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    logits = probs.log().expand(n, 4).clone()
+    ids = sample(logits, rows(n, seeds=list(range(n))))[0]
+    freq = torch.bincount(ids, minlength=4).double() / n
+    assert (freq - probs.double()).abs().max() < 0.03
+
+
+def test_top_k_and_top_p_cut_the_tail():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).expand(500, 5).clone()
+    k2 = sample(logits, rows(500, top_k=[2] * 500, seeds=list(range(500))))[0]
+    assert set(k2.tolist()) == {0, 1}
+    p = torch.softmax(logits[0], -1)
+    top_p = float(p[0] + p[1] / 2)                # the first two tokens are needed to reach it
+    pp = sample(logits, rows(500, top_p=[top_p] * 500, seeds=list(range(500))))[0]
+    assert set(pp.tolist()) == {0, 1}
+
+
+def test_repetition_penalty_discourages_seen_tokens():
+    logits = torch.tensor([[2.0, 1.9, -1.0]])
+    r = rows(1, temperature=[0.0], repetition_penalty=[2.0], history=[[0]])
+    assert sample(logits.clone(), r)[0].item() == 1
+
+
+def test_logprobs_are_log_softmax_of_the_chosen_token():
+    logits = torch.randn(3, 50)
+    ids, logprobs = sample(logits, rows(3, temperature=[0.0] * 3, want_logprobs=True))
+    assert torch.allclose(logprobs, logits.log_softmax(-1).gather(1, ids[:, None]).squeeze(1))
+
+
+def test_hashed_uniforms_are_uniform_and_in_range():
+    u = hashed_uniforms(torch.tensor([1, 2**40 + 5]), torch.tensor([0, 9]), 50000)
+    assert (u > 0).all() and (u < 1).all()
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert not torch.equal(u[0], u[1])
+
+
+def test_detokenizer_never_emits_broken_characters(tiny):
+    tokenizer = tiny.tokenizer
+    text = "Grüße aus Köln 🚀🔥 — 東京タワー ok"
+    ids = tokenizer(text)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=[1])
+    pieces = [detok.step(i) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_matcher_holds_back_a_possible_prefix():
+    m = StopMatcher(("STOP",))
+    release, stopped = m.scan("abc ST", emitted=0, added=6)
+    assert not stopped and release == 3
+    release, stopped = m.scan("abc STOP more", emitted=3, added=7)
+    assert stopped and release == 4
