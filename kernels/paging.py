@@ -10,6 +10,14 @@ must write nothing. Entries of ``block_table`` past a sequence's last block are 
 
 import torch
 
+# Tokens per cache block unless the engine says otherwise (chosen by measurement: kernels/NOTES.md).
+DEFAULT_BLOCK_SIZE = 32
+SUPPORTED_BLOCK_SIZE_RULE = "the CUDA kernel needs a multiple of 16 that divides 64 or is a multiple of 64"
+
+
+def supported_block_size(block_size: int) -> bool:
+    return block_size > 0 and block_size % 16 == 0 and (64 % block_size == 0 or block_size % 64 == 0)
+
 
 def cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int) -> tuple[int, ...]:
     return (num_blocks, num_kv_heads, block_size, head_dim)

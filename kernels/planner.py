@@ -8,8 +8,8 @@ same plan is valid for every step replayed from one CUDA graph. Each sequence th
 own length evenly among those splits on the device; splits that start past its end are empty.
 """
 
-MIN_CHUNK = 64          # fewer tokens than this per split costs more in the merge than it saves
-WAVES = 2               # thread blocks per SM the plan aims for
+MIN_CHUNK = 64          # the kernel's tile: a split never gets fewer tokens than this
+WAVES = 2               # thread blocks per SM the plan fills: the CUDA kernel keeps two resident
 
 
 def max_splits_for(max_seq_len: int, cap: int = 128) -> int:
@@ -20,5 +20,6 @@ def plan_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_seq_len: in
     if batch < 1 or num_kv_heads < 1:
         raise ValueError("batch and num_kv_heads must be positive")
     work_items = batch * num_kv_heads
-    wanted = -(-WAVES * num_sms // work_items)
+    # Round down: one more block than the resident slots would start a second, nearly empty wave.
+    wanted = WAVES * num_sms // work_items
     return max(1, min(wanted, max_splits_for(max_seq_len, cap)))

@@ -42,11 +42,13 @@ def split_attention(q, k, v, seq_lens, num_splits):
     v = v.view(batch, num_kv_heads, num_splits, chunk, head_dim)
     qg = q.view(batch, num_kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,bhsnd->bhsgn", qg, k)                    # [B, Hkv, S, G, chunk]
-    positions = torch.arange(num_splits * chunk, device=q.device).view(num_splits, chunk)
-    valid = positions.view(1, 1, num_splits, 1, chunk) < seq_lens.view(batch, 1, 1, 1, 1)
-    scores = scores.masked_fill(~valid, float("-inf"))
+    ragged = pad > 0 or bool((seq_lens != width).any())
+    if ragged:
+        positions = torch.arange(num_splits * chunk, device=q.device).view(num_splits, chunk)
+        valid = positions.view(1, 1, num_splits, 1, chunk) < seq_lens.view(batch, 1, 1, 1, 1)
+        scores = scores.masked_fill(~valid, float("-inf"))
     m = scores.amax(dim=-1, keepdim=True)
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m)) if ragged else m
     p = torch.exp(scores - m_safe)
     l = p.sum(dim=-1, keepdim=True)
     o = torch.einsum("bhsgn,bhsnd->bhsgd", p, v) / l.clamp_min(torch.finfo(l.dtype).tiny)
@@ -82,7 +84,9 @@ def reference_write_kv(k_cache, v_cache, key, value, slot_mapping):
     """Store ``key/value [T, Hkv, D]`` at ``slot_mapping [T]``; slots < 0 write nothing."""
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    slots = slot_mapping.long()
     blocks, rows = slots // block_size, slots % block_size
-    k_cache[blocks, :, rows] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, :, rows] = value[keep].to(v_cache.dtype)
+    k_cache[blocks, :, rows] = key.to(k_cache.dtype)
+    v_cache[blocks, :, rows] = value.to(v_cache.dtype)

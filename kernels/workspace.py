@@ -30,8 +30,10 @@ class Workspace:
         self.max_seq_len = max_seq_len
         self.max_splits = max_splits or max_splits_for(max_seq_len)
         self.num_sms = device_sm_count(self.device)
+        # The CUDA kernel runs one thread block per 16 query heads of a KV head's group.
+        work_heads = self.num_kv_heads * -(-(num_q_heads // self.num_kv_heads) // 16)
         self._plan = [0] + [
-            plan_num_splits(b, self.num_kv_heads, self.num_sms, max_seq_len, self.max_splits)
+            plan_num_splits(b, work_heads, self.num_sms, max_seq_len, self.max_splits)
             for b in range(1, max_batch + 1)
         ]
         rows = max(b * self._plan[b] for b in range(1, max_batch + 1))
@@ -39,7 +41,8 @@ class Workspace:
         self.capacity_rows = rows
         self.partial_out = torch.empty(rows, num_q_heads, head_dim, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=self.device)
-        self.merge_counters = torch.zeros(max(max_batch, 1) * self.num_kv_heads, dtype=torch.int32, device=self.device)
+        # One counter per (sequence, thread-block head group); num_q_heads bounds the groups.
+        self.merge_counters = torch.zeros(max_batch * num_q_heads, dtype=torch.int32, device=self.device)
 
     def num_splits(self, batch: int) -> int:
         if not 1 <= batch <= self.max_batch:

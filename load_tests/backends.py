@@ -81,18 +81,24 @@ class TGIBackend(Backend):
 
     def _event(self, obj: dict, t: float, out: Parsed) -> None:
         token = obj.get("token")
+        details = obj.get("details")
         if token is not None:
             out.token_times.append(t)
             if not token.get("special"):
                 out.text += token.get("text") or ""
-        details = obj.get("details")
         if details:
             out.finish_reason = details.get("finish_reason")
             if details.get("generated_tokens") is not None:
                 out.completion_tokens = int(details["generated_tokens"])
-            if details.get("prompt_tokens") is not None:
-                out.prompt_tokens = int(details["prompt_tokens"])
-            elif details.get("prefill"):
+                # A server that already sent its last token may close with an empty special
+                # placeholder that it does not count: that event ends the stream, it is no token.
+                if (token is not None and token.get("special") and not token.get("text")
+                        and len(out.token_times) == out.completion_tokens + 1):
+                    out.token_times.pop()
+            for key in ("input_length", "prompt_tokens"):
+                if details.get(key) is not None:
+                    out.prompt_tokens = int(details[key])
+            if out.prompt_tokens is None and details.get("prefill"):
                 out.prompt_tokens = len(details["prefill"])
 
 

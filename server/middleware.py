@@ -7,6 +7,7 @@ import time
 import uuid
 
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .http_errors import error_response
@@ -83,3 +84,35 @@ class ApiKeyMiddleware:
         response = error_response(scope["path"], 401, "missing or invalid API key (Authorization: Bearer <key>)",
                                   headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for request bodies over ``max_bytes``: at once when Content-Length says so, else as
+    soon as the bytes read pass the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            response = error_response(scope["path"], 413, f"the request body has {declared} bytes, "
+                                                          f"over the limit of {self.max_bytes}")
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(413, f"the request body is over the limit of {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)

@@ -10,10 +10,9 @@ from .engine.params import FinishEvent, SamplingParams, TokenEvent
 from .generation import (ClientGone, Generation, Prompt, check_token_ids, decode_ids, encode_chat,
                          encode_text, finite_or_none, plan_max_new_tokens, submit)
 from .http_errors import ApiError, error_body
-from .schemas import chat_template_messages
+from .schemas import OpenAIErrorResponse, chat_template_messages
 from .schemas_openai import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                             CompletionResponse, ModelCard, ModelList, OpenAIErrorResponse,
-                             _SamplingFields)
+                             CompletionResponse, ModelCard, ModelList, _SamplingFields)
 from .services import Services, get_services, ready_engine
 from .sse import DONE, SSE_RESPONSE_DOC, GenerationEventStream, sse_json
 

@@ -1,0 +1,85 @@
+"""Just-in-time build of the CUDA extension (``csrc/``), cached on disk.
+
+The first use compiles ``flash_decode.cu`` and ``binding.cpp`` with ninja through
+``torch.utils.cpp_extension.load`` into ``$FLASHDECODE_CACHE`` (default ``~/.cache/flashdecode``),
+one folder per torch/CUDA version; later processes load the cached library in well under a
+second, and an edited source triggers a rebuild. The kernels use Hopper's bulk copies and
+transaction barriers, so the build targets sm_90 (plus compute_90 PTX for newer chips); on
+older GPUs (sm_80, sm_89) ``check_device`` refuses with a clear message.
+"""
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("flash_decode.cu", "binding.cpp")
+EXTENSION_NAME = "flashdecode_ext"
+ARCH_FLAGS = ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
+NVCC_FLAGS = ["-O3", "-lineinfo", *ARCH_FLAGS]
+CXX_FLAGS = ["-O3"]
+MIN_CAPABILITY = (9, 0)
+
+
+class BuildError(RuntimeError):
+    """The CUDA extension cannot be built or cannot run here."""
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("FLASHDECODE_CACHE") or Path.home() / ".cache" / "flashdecode")
+    tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"torch{torch.__version__}-cuda{torch.version.cuda}")
+    return root / tag
+
+
+def find_nvcc() -> str | None:
+    from torch.utils.cpp_extension import CUDA_HOME
+    candidates = [Path(CUDA_HOME) / "bin" / "nvcc"] if CUDA_HOME else []
+    found = shutil.which("nvcc")
+    if found:
+        candidates.append(Path(found))
+    return next((str(c) for c in candidates if c.is_file()), None)
+
+
+def check_toolchain() -> None:
+    if torch.version.cuda is None:
+        raise BuildError(f"this torch ({torch.__version__}) has no CUDA support; the flash-decoding kernel "
+                         "needs a CUDA build of torch (CPU tensors run kernels.reference_decode)")
+    if not torch.cuda.is_available():
+        raise BuildError("no CUDA device is visible; the flash-decoding kernel needs one "
+                         "(CPU tensors run kernels.reference_decode)")
+    if find_nvcc() is None:
+        raise BuildError("nvcc not found (set CUDA_HOME or put the CUDA toolkit's bin/ on PATH); "
+                         "it is needed once to build the kernel, which is then cached in " + str(cache_dir()))
+    from torch.utils.cpp_extension import is_ninja_available
+    if not is_ninja_available():
+        raise BuildError("ninja not found: `pip install ninja` (torch builds the kernel with it)")
+
+
+def check_device(device: torch.device) -> None:
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise BuildError(f"{name} is sm_{major}{minor}; the flash-decoding kernel needs sm_90 (Hopper) or newer "
+                         "for its bulk copies and transaction barriers; sm_80/sm_89 are not supported "
+                         "(CPU tensors run kernels.reference_decode)")
+
+
+_loaded_path: str | None = None
+
+
+def load_extension(verbose: bool = False) -> str:
+    """Build (first time) and load the library that registers ``torch.ops.flashdecode``."""
+    global _loaded_path
+    if _loaded_path is None:
+        check_toolchain()
+        from torch.utils.cpp_extension import load
+        build_dir = cache_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        load(name=EXTENSION_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CXX_FLAGS,
+             extra_cuda_cflags=NVCC_FLAGS, extra_include_paths=[str(CSRC)], build_directory=str(build_dir),
+             is_python_module=False, verbose=verbose)
+        _loaded_path = str(build_dir)
+    return _loaded_path

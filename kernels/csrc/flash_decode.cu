@@ -1,0 +1,603 @@
+// Paged, GQA-aware split-KV flash decoding for Hopper (sm_90), plus the KV-cache write.
+//
+// Grid (num_splits, Hkv * ceil(G / 16), B). A block serves up to 16 query heads of one KV head
+// over one split of one sequence. A producer warp streams the split's K/V tiles (64 tokens;
+// each page's per-head rows are contiguous, so one cp.async.bulk per page) into a ring of
+// shared-memory stages guarded by mbarriers. Four consumer warps each own 16 tokens of a tile:
+// S = Q K^T and O += P V on the tensor cores (m16n8k16, fp32 accumulation) with an online
+// softmax per warp; the warps' states are combined at the end of the split.
+//
+// Fragment trick: reading K and V rows with one 16-byte load per thread avoids ldmatrix bank
+// conflicts on the unpadded tiles. The head dimension is the reduction of S = Q K^T, so K's
+// elements may be fed to the MMA in any order that Q's fragments follow as well; for P V the
+// head dimension is the output column, so V's 8x8 pieces are transposed with movmatrix and the
+// output columns land in a known permutation (each thread ends up owning 8 contiguous columns).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "flash_decode.h"
+
+namespace flashdecode {
+namespace {
+
+constexpr int kTile = 64;                          // tokens per pipeline stage
+constexpr int kWarpTokens = 16;                    // tokens per consumer warp per tile
+constexpr int kConsumerWarps = kTile / kWarpTokens;
+constexpr int kProducerWarp = kConsumerWarps;
+constexpr int kThreads = (kConsumerWarps + 1) * 32;
+constexpr int kRows = kHeadsPerBlock;
+constexpr int kStageBudget = 96 * 1024;            // two blocks per SM
+constexpr int kMergeThreads = 128;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -__builtin_huge_valf();
+
+template <int D>
+struct Shape {
+  static constexpr int kStageBytes = 2 * kTile * D * 2;         // K and V, 2-byte elements
+  static constexpr int kStages = kStageBudget / kStageBytes;     // 6 for D=64, 3 for D=128
+  static constexpr int kSmemBytes = kStages * kStageBytes;
+  static constexpr int kGroups = D / 32;                         // 16-byte loads per row per thread
+  static constexpr int kOStride = D + 4;                         // padded fp32 row, epilogue
+  static_assert(kConsumerWarps * kRows * kOStride * 4 <= kSmemBytes, "epilogue does not fit");
+  static_assert(kRows * kMaxSplits * 4 + kThreads * 16 <= kSmemBytes, "merge does not fit");
+};
+
+// ---- PTX wrappers ---------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<__nv_bfloat16> {
+  static __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+template <>
+struct Elem<__half> {
+  static __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ void store4(T* dst, float4 v) {
+  uint2 packed{Elem<T>::pack(v.x, v.y), Elem<T>::pack(v.z, v.w)};
+  *reinterpret_cast<uint2*>(dst) = packed;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Which query heads a block serves and which part of its sequence.
+struct Work {
+  int b, kv_head, q_head0, rows;
+  int len, start, end;
+};
+
+__device__ __forceinline__ Work block_work(const DecodeParams& p) {
+  Work w;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int head_tiles = (group + kRows - 1) / kRows;
+  w.b = blockIdx.z;
+  w.kv_head = blockIdx.y / head_tiles;
+  w.q_head0 = w.kv_head * group + (blockIdx.y % head_tiles) * kRows;
+  w.rows = min(kRows, (w.kv_head + 1) * group - w.q_head0);
+  w.len = min(p.seq_lens[w.b], p.max_blocks * p.block_size);
+  int chunk = (max(w.len, 0) + gridDim.x - 1) / gridDim.x;
+  chunk = (chunk + kTile - 1) / kTile * kTile;
+  w.start = blockIdx.x * chunk;
+  w.end = min(w.start + chunk, w.len);
+  return w;
+}
+
+// ---- merge of split partials ------------------------------------------------------------------
+
+// Output rows [q_head0, q_head0 + rows) of sequence b from its num_splits partials.
+// Uses every thread of the block; smem holds rows * num_splits weights + blockDim.x float4.
+template <typename T, int D>
+__device__ void merge_rows(const DecodeParams& p, int b, int q_head0, int rows, float* smem) {
+  const int splits = p.num_splits, hq = p.num_q_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  float* weights = smem;
+  float4* partial = reinterpret_cast<float4*>(smem + kRows * kMaxSplits);
+  const float* lse = p.partial_lse + (int64_t)b * splits * hq + q_head0;
+
+  for (int row = warp; row < rows; row += warps) {
+    float mx = kNegInf;
+    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldcg(lse + (int64_t)s * hq + row));
+#pragma unroll
+    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    if (mx != kNegInf)
+      for (int s = lane; s < splits; s += 32) sum += __expf(__ldcg(lse + (int64_t)s * hq + row) - mx);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float total = mx == kNegInf ? kNegInf : mx + __logf(sum);
+    for (int s = lane; s < splits; s += 32) {
+      const float l = __ldcg(lse + (int64_t)s * hq + row);
+      weights[row * splits + s] = (total == kNegInf || l == kNegInf) ? 0.f : __expf(l - total);
+    }
+  }
+  __syncthreads();
+
+  constexpr int kCols = D / 4;
+  const int items = rows * kCols;
+  const int slices = max(1, (int)blockDim.x / items);
+  const int tid = threadIdx.x;
+  if (tid < items * slices) {
+    const int item = tid % items, slice = tid / items;
+    const int row = item / kCols, col = item % kCols;
+    const float* src = p.partial_out + ((int64_t)b * splits * hq + q_head0 + row) * D + col * 4;
+    const int64_t split_stride = (int64_t)hq * D;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+    for (int s = slice; s < splits; s += slices) {
+      const float w = weights[row * splits + s];
+      if (w > 0.f) {  // empty splits never wrote their partial output
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(src + s * split_stride));
+        acc.x += w * v.x;
+        acc.y += w * v.y;
+        acc.z += w * v.z;
+        acc.w += w * v.w;
+      }
+    }
+    partial[tid] = acc;
+  }
+  __syncthreads();
+  if (tid < items) {
+    float4 acc = partial[tid];
+    for (int s = 1; s < slices; ++s) {
+      const float4 v = partial[s * items + tid];
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
+    const int row = tid / kCols, col = tid % kCols;
+    store4(static_cast<T*>(p.out) + ((int64_t)b * hq + q_head0 + row) * D + col * 4, acc);
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeParams p) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // no-op unless launched as a PDL dependent
+  __shared__ __align__(16) float smem[kRows * kMaxSplits + kMergeThreads * 4];
+  merge_rows<T, D>(p, blockIdx.y, blockIdx.x, 1, smem);
+}
+
+// ---- the split kernel -------------------------------------------------------------------------
+
+template <typename T, int D>
+__device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, int n_tiles, T* stages,
+                                        uint64_t* full, uint64_t* empty) {
+  using S = Shape<D>;
+  const int lane = threadIdx.x % 32;
+  const int bs = p.block_size;
+  const bool small_pages = bs <= kTile;
+  const int pages_per_tile = small_pages ? kTile / bs : 1;
+  const int rows_per_page = small_pages ? bs : kTile;
+  const int pages = (w.len + bs - 1) / bs;
+  const int32_t* table = p.block_table + (int64_t)w.b * p.block_table_stride;
+  const int64_t block_elems = (int64_t)p.num_kv_heads * bs * D;
+  const int64_t head_elems = (int64_t)w.kv_head * bs * D;
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+
+  // Block ids of pages [base, base + 64), one per lane in cur and next; never past the last page.
+  int base = w.start / bs;
+  auto fetch = [&](int page) { return page < pages ? __ldg(table + page) : 0; };
+  int cur = fetch(base + lane), next = fetch(base + 32 + lane);
+
+  for (int i = 0; i < n_tiles; ++i) {
+    const int stage = i % S::kStages;
+    if (i >= S::kStages) mbar_wait(&empty[stage], ((i / S::kStages) - 1) & 1);
+    const int t0 = w.start + i * kTile;
+    const int page0 = t0 / bs;
+    if (page0 - base >= 32) {
+      base += 32;
+      cur = next;
+      next = fetch(base + 32 + lane);
+    }
+    const int idx = page0 + lane - base;
+    const int from_cur = __shfl_sync(0xffffffffu, cur, idx & 31);
+    const int from_next = __shfl_sync(0xffffffffu, next, idx & 31);
+    const int block = min(max(idx < 32 ? from_cur : from_next, 0), p.num_blocks - 1);
+    const int first_token = small_pages ? (page0 + lane) * bs : t0;
+    const int row_offset = small_pages ? 0 : t0 - page0 * bs;
+    const int rows = lane < pages_per_tile ? max(0, min(rows_per_page, w.len - first_token)) : 0;
+    const uint32_t bytes = rows * D * (uint32_t)sizeof(T);
+    const uint32_t stage_bytes = 2 * __reduce_add_sync(0xffffffffu, bytes);
+    if (lane == 0) mbar_arrive_expect_tx(&full[stage], stage_bytes);
+    __syncwarp();
+    if (rows > 0) {
+      const int64_t src = block * block_elems + head_elems + (int64_t)row_offset * D;
+      T* k_dst = stages + (int64_t)stage * 2 * kTile * D + lane * rows_per_page * D;
+      bulk_load(k_dst, k_cache + src, bytes, &full[stage]);
+      bulk_load(k_dst + kTile * D, v_cache + src, bytes, &full[stage]);
+    }
+  }
+}
+
+// One consumer warp's pass over the split: online softmax state (m, l) per query-head row
+// (this thread's rows r and r + 8) and the output fragments o, unnormalised.
+template <typename T, int D>
+__device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, int n_tiles, const T* stages,
+                                        uint64_t* full, uint64_t* empty, float (&o)[D / 32][4][4], float& m_lo,
+                                        float& m_hi, float& l_lo, float& l_hi) {
+  using S = Shape<D>;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = lane / 4, qd = lane % 4;
+  const T* q = static_cast<const T*>(p.q) + w.b * p.q_stride_b;
+  const uint4 zero{0, 0, 0, 0};
+  uint4 q_lo[S::kGroups], q_hi[S::kGroups];
+#pragma unroll
+  for (int j = 0; j < S::kGroups; ++j) {
+    const int col = 32 * j + 8 * qd;
+    q_lo[j] = r < w.rows ? __ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r) * p.q_stride_h + col)) : zero;
+    q_hi[j] = r + 8 < w.rows ? __ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r + 8) * p.q_stride_h + col))
+                             : zero;
+  }
+  const float scale_log2 = p.scale * kLog2e;
+
+  for (int i = 0; i < n_tiles; ++i) {
+    const int stage = i % S::kStages;
+    const int t_warp = w.start + i * kTile + warp * kWarpTokens;
+    mbar_wait(&full[stage], (i / S::kStages) & 1);
+    const T* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * kWarpTokens * D;
+    const T* v_tile = k_tile + kTile * D;
+    if (t_warp >= w.end) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[stage]);
+      continue;
+    }
+    float s[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
+#pragma unroll
+      for (int j = 0; j < S::kGroups; ++j) {
+        const uint4 k = *reinterpret_cast<const uint4*>(k_tile + (8 * h + r) * D + 32 * j + 8 * qd);
+        Elem<T>::mma(s[h], q_lo[j].x, q_hi[j].x, q_lo[j].y, q_hi[j].y, k.x, k.y);
+        Elem<T>::mma(s[h], q_lo[j].z, q_hi[j].z, q_lo[j].w, q_hi[j].w, k.z, k.w);
+      }
+    }
+    uint4 v[2][S::kGroups];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < S::kGroups; ++j)
+        v[h][j] = *reinterpret_cast<const uint4*>(v_tile + (8 * h + r) * D + 32 * j + 8 * qd);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[stage]);
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[h][c] *= scale_log2;
+    if (t_warp + kWarpTokens > w.end) {  // the sequence ends inside this warp's tokens
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (t_warp + 8 * h + 2 * qd + (c & 1) >= w.end) s[h][c] = kNegInf;
+        if (t_warp + 8 * h + r >= w.end)  // rows past the end may hold anything, NaN included
+#pragma unroll
+          for (int j = 0; j < S::kGroups; ++j) v[h][j] = zero;
+      }
+    }
+    const float new_lo = fmaxf(m_lo, quad_max(fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]))));
+    const float new_hi = fmaxf(m_hi, quad_max(fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]))));
+    const float base_lo = new_lo == kNegInf ? 0.f : new_lo;
+    const float base_hi = new_hi == kNegInf ? 0.f : new_hi;
+    const float alpha_lo = exp2_approx(m_lo - base_lo), alpha_hi = exp2_approx(m_hi - base_hi);
+    m_lo = new_lo;
+    m_hi = new_hi;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      s[h][0] = exp2_approx(s[h][0] - base_lo);
+      s[h][1] = exp2_approx(s[h][1] - base_lo);
+      s[h][2] = exp2_approx(s[h][2] - base_hi);
+      s[h][3] = exp2_approx(s[h][3] - base_hi);
+    }
+    l_lo = l_lo * alpha_lo + (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]);
+    l_hi = l_hi * alpha_hi + (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]);
+    const uint32_t p0 = Elem<T>::pack(s[0][0], s[0][1]), p1 = Elem<T>::pack(s[0][2], s[0][3]);
+    const uint32_t p2 = Elem<T>::pack(s[1][0], s[1][1]), p3 = Elem<T>::pack(s[1][2], s[1][3]);
+#pragma unroll
+    for (int j = 0; j < S::kGroups; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        o[j][c][0] *= alpha_lo;
+        o[j][c][1] *= alpha_lo;
+        o[j][c][2] *= alpha_hi;
+        o[j][c][3] *= alpha_hi;
+        Elem<T>::mma(o[j][c], p0, p1, p2, p3, transpose8x8(word(v[0][j], c)), transpose8x8(word(v[1][j], c)));
+      }
+  }
+  l_lo = quad_sum(l_lo);
+  l_hi = quad_sum(l_hi);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 2) split_kernel(const DecodeParams p) {
+  using S = Shape<D>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ uint64_t full[S::kStages], empty[S::kStages];
+  __shared__ float warp_max[kConsumerWarps][kRows], warp_sum[kConsumerWarps][kRows];
+  __shared__ float row_lse[kRows];
+  __shared__ int is_last;
+
+  const Work w = block_work(p);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = lane / 4, qd = lane % 4;
+  const int splits = gridDim.x, hq = p.num_q_heads;
+  const bool consumer = warp != kProducerWarp;
+  T* stages = reinterpret_cast<T*>(smem);
+  float* o_smem = reinterpret_cast<float*>(smem);
+
+  if (w.start < w.end) {
+    const int n_tiles = (w.end - w.start + kTile - 1) / kTile;
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < S::kStages; ++s) {
+        mbar_init(&full[s], 1);
+        mbar_init(&empty[s], kConsumerWarps);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    float o[S::kGroups][4][4];
+#pragma unroll
+    for (int j = 0; j < S::kGroups; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[j][c][0] = o[j][c][1] = o[j][c][2] = o[j][c][3] = 0.f;
+    float m_lo = kNegInf, m_hi = kNegInf, l_lo = 0.f, l_hi = 0.f;
+    if (consumer) {
+      consume<T, D>(p, w, n_tiles, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+      if (qd == 0) {
+        warp_max[warp][r] = m_lo;
+        warp_max[warp][r + 8] = m_hi;
+        warp_sum[warp][r] = l_lo;
+        warp_sum[warp][r + 8] = l_hi;
+      }
+    } else {
+      produce<T, D>(p, w, n_tiles, stages, full, empty);
+    }
+    __syncthreads();  // every consumer's state is in and every stage is drained
+
+    if (consumer) {  // rescale to the block's max and normalise, into o_smem[warp][row][:]
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = r + 8 * half;
+        float mx = kNegInf;
+#pragma unroll
+        for (int k = 0; k < kConsumerWarps; ++k) mx = fmaxf(mx, warp_max[k][row]);
+        const float base = mx == kNegInf ? 0.f : mx;
+        float total = 0.f;
+#pragma unroll
+        for (int k = 0; k < kConsumerWarps; ++k) total += warp_sum[k][row] * exp2_approx(warp_max[k][row] - base);
+        const float factor = total > 0.f ? exp2_approx((half ? m_hi : m_lo) - base) / total : 0.f;
+        if (warp == 0 && qd == 0) row_lse[row] = total > 0.f ? (base + __log2f(total)) * kLn2 : kNegInf;
+        float* dst = o_smem + (warp * kRows + row) * S::kOStride + 8 * qd;
+#pragma unroll
+        for (int j = 0; j < S::kGroups; ++j)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            *reinterpret_cast<float2*>(dst + 32 * j + 2 * c) =
+                make_float2(o[j][c][2 * half] * factor, o[j][c][2 * half + 1] * factor);
+      }
+    }
+    __syncthreads();
+
+    constexpr int kCols = D / 4;
+    for (int idx = threadIdx.x; idx < w.rows * kCols; idx += kThreads) {
+      const int row = idx / kCols, col = idx % kCols;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int k = 0; k < kConsumerWarps; ++k) {
+        const float4 x = *reinterpret_cast<const float4*>(o_smem + (k * kRows + row) * S::kOStride + 4 * col);
+        acc.x += x.x;
+        acc.y += x.y;
+        acc.z += x.z;
+        acc.w += x.w;
+      }
+      const int64_t head = w.q_head0 + row;
+      if (splits == 1) {
+        store4(static_cast<T*>(p.out) + ((int64_t)w.b * hq + head) * D + 4 * col, acc);
+      } else {
+        *reinterpret_cast<float4*>(p.partial_out + (((int64_t)w.b * splits + blockIdx.x) * hq + head) * D +
+                                   4 * col) = acc;
+      }
+    }
+    if (splits > 1 && threadIdx.x < w.rows)
+      p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = row_lse[threadIdx.x];
+  } else if (splits == 1) {  // only for an (invalid) length of 0: write zeros, never NaN
+    uint16_t* out = static_cast<uint16_t*>(p.out) + ((int64_t)w.b * hq + w.q_head0) * D;
+    for (int idx = threadIdx.x; idx < w.rows * D; idx += kThreads) out[idx] = 0;
+  } else if (threadIdx.x < w.rows) {  // an empty split contributes lse = -inf and no output
+    p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = kNegInf;
+  }
+
+  if (splits == 1 || p.merge_mode != kMergeLastBlock) return;
+  // The last block of this (sequence, head group) to finish merges all its splits.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* counter = p.merge_counters + (int64_t)w.b * gridDim.y + blockIdx.y;
+    const int arrived = atomicAdd(counter, 1);
+    is_last = arrived == splits - 1;
+    if (is_last) atomicExch(counter, 0);  // ready for the next call (and graph replay)
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  merge_rows<T, D>(p, w.b, w.q_head0, w.rows, reinterpret_cast<float*>(smem));
+}
+
+// ---- launchers ---------------------------------------------------------------------------------
+
+template <typename T, int D>
+cudaError_t launch_typed(const DecodeParams& p, cudaStream_t stream) {
+  using S = Shape<D>;
+  static uint64_t configured_devices = 0;  // bit per device: dynamic smem limit raised
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 64 && !(__atomic_load_n(&configured_devices, __ATOMIC_ACQUIRE) & (1ull << device))) {
+    err = cudaFuncSetAttribute(split_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    __atomic_fetch_or(&configured_devices, 1ull << device, __ATOMIC_RELEASE);
+  }
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int head_tiles = (group + kRows - 1) / kRows;
+  const dim3 grid(p.num_splits, p.num_kv_heads * head_tiles, p.batch);
+  split_kernel<T, D><<<grid, kThreads, S::kSmemBytes, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || p.num_splits == 1 || p.merge_mode == kMergeLastBlock) return err;
+
+  const dim3 merge_grid(p.num_q_heads, p.batch);
+  if (p.merge_mode == kMergeKernel) {
+    merge_kernel<T, D><<<merge_grid, kMergeThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = merge_grid;
+  config.blockDim = dim3(kMergeThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, merge_kernel<T, D>, p);
+}
+
+__global__ void write_kv_kernel(const WriteKvParams p) {
+  const int chunks = p.row_bytes / 16;
+  const int64_t total = p.num_tokens * p.num_kv_heads * chunks;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+    const int chunk = i % chunks;
+    const int64_t token_head = i / chunks;
+    const int head = token_head % p.num_kv_heads;
+    const int64_t token = token_head / p.num_kv_heads;
+    const int64_t slot = p.slots_are_int64 ? static_cast<const int64_t*>(p.slot_mapping)[token]
+                                           : static_cast<const int32_t*>(p.slot_mapping)[token];
+    if (slot < 0 || slot >= p.num_slots) continue;  // -1 marks a padded row
+    const int64_t block = slot / p.block_size, row = slot % p.block_size;
+    const int64_t dst = ((block * p.num_kv_heads + head) * p.block_size + row) * p.row_bytes + chunk * 16;
+    const char* k_src = static_cast<const char*>(p.key) + token * p.key_stride_t + head * p.key_stride_h + chunk * 16;
+    const char* v_src =
+        static_cast<const char*>(p.value) + token * p.value_stride_t + head * p.value_stride_h + chunk * 16;
+    *reinterpret_cast<uint4*>(static_cast<char*>(p.k_cache) + dst) = *reinterpret_cast<const uint4*>(k_src);
+    *reinterpret_cast<uint4*>(static_cast<char*>(p.v_cache) + dst) = *reinterpret_cast<const uint4*>(v_src);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
+  if (p.num_splits < 1 || p.num_splits > kMaxSplits || p.batch < 1) return cudaErrorInvalidValue;
+  if (p.dtype == DType::kBFloat16) {
+    if (p.head_dim == 64) return launch_typed<__nv_bfloat16, 64>(p, stream);
+    if (p.head_dim == 128) return launch_typed<__nv_bfloat16, 128>(p, stream);
+  } else {
+    if (p.head_dim == 64) return launch_typed<__half, 64>(p, stream);
+    if (p.head_dim == 128) return launch_typed<__half, 128>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_write_kv(const WriteKvParams& p, cudaStream_t stream) {
+  const int64_t total = p.num_tokens * p.num_kv_heads * (p.row_bytes / 16);
+  if (total == 0) return cudaSuccess;
+  const int threads = 256;
+  const int64_t blocks = (total + threads - 1) / threads;
+  write_kv_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), threads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace flashdecode

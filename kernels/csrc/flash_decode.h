@@ -1,0 +1,58 @@
+// Plain-C++ interface between the torch binding (binding.cpp) and the CUDA kernels
+// (flash_decode.cu), so that the .cu needs no torch headers and compiles quickly.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace flashdecode {
+
+enum class DType : int { kBFloat16 = 0, kHalf = 1 };
+
+// How split partials become the output when num_splits > 1.
+enum MergeMode : int {
+  kMergeLastBlock = 0,    // the last split block of each (sequence, KV head) merges, same launch
+  kMergeKernel = 1,       // a second, small kernel
+  kMergeKernelPdl = 2,    // the second kernel with programmatic dependent launch
+};
+
+struct DecodeParams {
+  const void* q;                  // [B, Hq, D]; last dim contiguous, strides in elements
+  int64_t q_stride_b, q_stride_h;
+  const void* k_cache;            // [num_blocks, Hkv, block_size, D] contiguous
+  const void* v_cache;
+  const int32_t* block_table;     // [B, max_blocks], row stride block_table_stride
+  int64_t block_table_stride;
+  const int32_t* seq_lens;        // [B]
+  void* out;                      // [B, Hq, D] contiguous
+  float* partial_out;             // [>= B * num_splits, Hq, D]
+  float* partial_lse;             // [>= B * num_splits, Hq]
+  int32_t* merge_counters;        // [>= B * Hkv * ceil(G / 16)], all zero between calls
+  int batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_blocks, num_splits;
+  float scale;
+  DType dtype;
+  int merge_mode;
+};
+
+struct WriteKvParams {
+  void* k_cache;                  // [num_blocks, Hkv, block_size, D] contiguous
+  void* v_cache;
+  const void* key;                // [T, Hkv, D]; last dim contiguous, strides in bytes
+  const void* value;
+  int64_t key_stride_t, key_stride_h, value_stride_t, value_stride_h;
+  const void* slot_mapping;       // [T] int32 or int64
+  bool slots_are_int64;
+  int64_t num_tokens, num_slots;  // num_slots = num_blocks * block_size
+  int num_kv_heads, block_size;
+  int row_bytes;                  // D * element size, a multiple of 16
+};
+
+// Largest split count a launch accepts (bounds the merge's shared memory).
+constexpr int kMaxSplits = 256;
+// Query heads one thread block serves (the MMA's M); larger GQA groups take several blocks.
+constexpr int kHeadsPerBlock = 16;
+
+cudaError_t launch_flash_decode(const DecodeParams& params, cudaStream_t stream);
+cudaError_t launch_write_kv(const WriteKvParams& params, cudaStream_t stream);
+
+}  // namespace flashdecode

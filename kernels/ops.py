@@ -1,0 +1,176 @@
+"""The CUDA ops ``torch.ops.flashdecode.flash_decode`` / ``write_kv`` and their Python entry points.
+
+The ops are defined in ``csrc/binding.cpp`` (TORCH_LIBRARY) and built on first use
+(``build.py``); the fake kernels below let torch.compile trace them as single ops. The entry
+points validate inputs with readable errors, pick the split count from the workspace's plan and
+never read device data, so a call does not synchronise with the host and can be captured in a
+CUDA graph. Nothing is allocated besides the output, except the first time a default workspace
+is needed (or must grow), which is refused during graph capture.
+"""
+
+import torch
+
+from . import build
+from .paging import SUPPORTED_BLOCK_SIZE_RULE, supported_block_size
+from .workspace import Workspace
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+MAX_SPLITS = 256
+HEADS_PER_BLOCK = 16
+
+MERGE_LAST_BLOCK = 0    # the last split block of each (sequence, KV head) merges, in the same launch
+MERGE_KERNEL = 1        # a second small kernel
+MERGE_KERNEL_PDL = 2    # the second kernel with programmatic dependent launch
+DEFAULT_MERGE = MERGE_LAST_BLOCK   # chosen by measurement, see NOTES.md
+
+_ready_devices: set[int] = set()
+_default_workspaces: dict[tuple, Workspace] = {}
+
+
+def load(device: torch.device | None = None) -> None:
+    """Build/load the extension and check that ``device`` can run it."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    if device.index in _ready_devices:
+        return
+    build.load_extension()
+    _register_fakes()
+    build.check_device(device)
+    _ready_devices.add(device.index)
+
+
+_fakes_registered = False
+
+
+def _register_fakes() -> None:
+    global _fakes_registered
+    if _fakes_registered:
+        return
+
+    @torch.library.register_fake("flashdecode::flash_decode")
+    def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits,
+                           partial_out, partial_lse, merge_counters, merge_mode=0):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("flashdecode::write_kv")
+    def _write_kv_fake(k_cache, v_cache, key, value, slot_mapping):
+        return None
+
+    _fakes_registered = True
+
+
+def _check_cache(k_cache, v_cache, device, name="k_cache/v_cache"):
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"{name} must be [num_blocks, Hkv, block_size, D] of one shape, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if k_cache.device != device or v_cache.device != device:
+        raise ValueError(f"the caches are on {k_cache.device}/{v_cache.device}, expected {device}")
+    if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
+        raise ValueError("the caches must be 16-byte aligned")
+
+
+def _validate_decode(q, k_cache, v_cache, block_table, seq_lens):
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q must be bfloat16 or float16 on CUDA, got {q.dtype}")
+    batch, num_q_heads, head_dim = q.shape
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported by the CUDA kernel (supported: 64, 128)")
+    if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
+        raise ValueError("q needs a contiguous last dim and 16-byte aligned rows (call q.contiguous())")
+    _check_cache(k_cache, v_cache, q.device)
+    if k_cache.dtype != q.dtype:
+        raise ValueError(f"the caches are {k_cache.dtype} but q is {q.dtype}")
+    _, num_kv_heads, block_size, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"cache head_dim {cache_dim} != q head_dim {head_dim}")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if not supported_block_size(block_size):
+        raise ValueError(f"block_size {block_size} is not supported: {SUPPORTED_BLOCK_SIZE_RULE}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be int32 [B={batch}, max_blocks], "
+                         f"got {block_table.dtype} {tuple(block_table.shape)}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table needs a contiguous last dim")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (batch,) or not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens must be contiguous int32 [B={batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    for t, name in ((block_table, "block_table"), (seq_lens, "seq_lens")):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    return batch, num_q_heads, num_kv_heads, head_dim, block_size
+
+
+def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_seq_len) -> Workspace:
+    """The workspace kept for calls without one; grows (outside graph capture only) when outgrown."""
+    key = (device, num_q_heads, num_kv_heads, head_dim)
+    ws = _default_workspaces.get(key)
+    if ws is not None and batch <= ws.max_batch and max_seq_len <= ws.max_seq_len:
+        return ws
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("flash_decode needs a larger default workspace while a CUDA graph is being "
+                           "captured; pass workspace= or run one eager call of the largest shape first")
+    if ws is not None:
+        batch, max_seq_len = max(batch, ws.max_batch), max(max_seq_len, ws.max_seq_len)
+    ws = Workspace(batch, num_q_heads, head_dim, max_seq_len, device, num_kv_heads=num_kv_heads)
+    _default_workspaces[key] = ws
+    return ws
+
+
+def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None,
+                      merge_mode=None):
+    """``kernels.flash_decode`` for CUDA tensors; see ``kernels/__init__.py`` for the contract."""
+    batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
+                                                                               seq_lens)
+    load(q.device)
+    if workspace is None:
+        workspace = default_workspace(q.device, num_q_heads, num_kv_heads, head_dim, batch,
+                                      block_table.shape[1] * block_size)
+    elif (workspace.num_q_heads != num_q_heads or workspace.head_dim != head_dim
+          or workspace.partial_out.device != q.device):
+        raise ValueError(f"workspace is for Hq={workspace.num_q_heads}, D={workspace.head_dim} on "
+                         f"{workspace.partial_out.device}; this call has Hq={num_q_heads}, D={head_dim} on {q.device}")
+    splits = workspace.num_splits(batch) if num_splits is None else int(num_splits)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {splits}")
+    if splits > 1 and not workspace.fits(batch, splits):
+        raise ValueError(f"workspace (max_batch {workspace.max_batch}, {workspace.capacity_rows} rows, "
+                         f"max_splits {workspace.max_splits}) cannot hold batch {batch} x {splits} splits")
+    head_tiles = -(-(num_q_heads // num_kv_heads) // HEADS_PER_BLOCK)
+    if splits > 1 and workspace.merge_counters.numel() < batch * num_kv_heads * head_tiles:
+        raise ValueError("workspace.merge_counters is too small for this batch and head layout")
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    mode = DEFAULT_MERGE if merge_mode is None else int(merge_mode)
+    return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, splits,
+                                              workspace.partial_out, workspace.partial_lse,
+                                              workspace.merge_counters, mode)
+
+
+def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):
+    """``kernels.write_kv`` for CUDA tensors: slot -1 (any negative slot) writes nothing."""
+    _check_cache(k_cache, v_cache, key.device)
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    if key.dim() != 3 or key.shape != value.shape or key.shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError(f"key and value must be [T, {num_kv_heads}, {head_dim}], "
+                         f"got {tuple(key.shape)} and {tuple(value.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64) or slot_mapping.shape != key.shape[:1]:
+        raise ValueError(f"slot_mapping must be int32/int64 [T={key.shape[0]}], "
+                         f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if slot_mapping.device != key.device or value.device != key.device:
+        raise ValueError("key, value and slot_mapping must be on the caches' device")
+    if (head_dim * k_cache.element_size()) % 16:
+        raise ValueError(f"head_dim {head_dim} x {k_cache.element_size()} bytes is not a multiple of 16 bytes")
+    key, value = (_rows_aligned(t.to(k_cache.dtype)) for t in (key, value))
+    load(key.device)
+    torch.ops.flashdecode.write_kv(k_cache, v_cache, key, value, slot_mapping.contiguous())
+
+
+def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
+    size = t.element_size()
+    ok = t.stride(2) == 1 and (t.stride(0) * size) % 16 == 0 and (t.stride(1) * size) % 16 == 0 and t.data_ptr() % 16 == 0
+    return t if ok else t.contiguous()

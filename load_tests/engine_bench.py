@@ -1,0 +1,162 @@
+"""Offline decode throughput: our engine and transformers' ``generate`` side by side.
+
+Both run in this one process on the same model weights, dtype and random prompts, with
+generation forced to the full length. Tokens/s counts generated tokens over the wall time of
+the whole batch (prefill included), as vLLM's offline throughput benchmark does.
+
+    python -m load_tests.engine_bench --device cpu --model default --batch 1 --prompt-len 128 --new-tokens 64
+    python -m load_tests.engine_bench --device cuda --model random:smollm2-135m --batch 1 16 64 256 \
+        --long-batch 1 8 --hf default static --out results/engine.json
+"""
+
+import argparse
+import asyncio
+import copy
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from models import load_model
+from server.engine import Engine, EngineConfig, FinishEvent, SamplingParams
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (batch, length), generator=g).tolist()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_ours(engine: Engine, prompts, new_tokens: int) -> float:
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+
+    async def one(prompt):
+        async for event in engine.add_request(prompt, params):
+            if isinstance(event, FinishEvent):
+                assert event.completion_tokens == new_tokens, event
+                return
+
+    async def main():
+        await asyncio.gather(*(one(p) for p in prompts))
+
+    started = time.perf_counter()
+    asyncio.run(main())
+    return time.perf_counter() - started
+
+
+def run_hf(model, prompts, new_tokens: int, mode: str) -> float:
+    ids = torch.tensor(prompts, device=model.device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  attention_mask=torch.ones_like(ids), pad_token_id=0)
+    if mode == "static":
+        kwargs["cache_implementation"] = "static"
+    sync(model.device)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, **kwargs)
+    sync(model.device)
+    assert out.shape[1] - ids.shape[1] == new_tokens
+    return time.perf_counter() - started
+
+
+def interleaved(runners: dict, repeats: int) -> dict:
+    """Median seconds of each runner, taking turns so drifting machine load hits all alike."""
+    samples = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, fn in runners.items():
+            try:
+                samples[name].append(fn())
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+    return {name: statistics.median(v) for name, v in samples.items() if v}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--long-batch", type=int, nargs="*", default=[], help="batches for the long-context rows")
+    ap.add_argument("--long-prompt-len", type=int, default=32768)
+    ap.add_argument("--long-new-tokens", type=int, default=128)
+    ap.add_argument("--hf", nargs="*", default=["default"], choices=["default", "static"],
+                    help="transformers generate settings to run beside ours")
+    ap.add_argument("--hf-max-batch", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    device = loaded.device
+    vocab = loaded.config.vocab_size
+    cases = [(b, args.prompt_len, args.new_tokens) for b in args.batch]
+    cases += [(b, args.long_prompt_len, args.long_new_tokens) for b in args.long_batch]
+    longest = max(p + n for _, p, n in cases)
+    config = EngineConfig(max_batch=max(b for b, _, _ in cases), max_model_len=max(longest, 1024),
+                          max_prefill_tokens=8192, num_blocks=args.num_blocks,
+                          gpu_memory_fraction=0.45 if args.hf else 0.8)
+    engine = Engine(loaded, config)
+    engine.start()
+    hf_model = None
+    if args.hf:
+        hf_model = copy.deepcopy(loaded.model)
+        hf_model.set_attn_implementation("sdpa")
+
+    rows = []
+    for batch, prompt_len, new_tokens in cases:
+        prompts = random_prompts(batch, prompt_len, vocab, seed=batch * 7 + prompt_len)
+        runners = {"ours": lambda: run_ours(engine, prompts, new_tokens)}
+        for mode in args.hf:
+            if batch <= args.hf_max_batch:
+                runners[f"hf_{mode}"] = lambda mode=mode: run_hf(hf_model, prompts, new_tokens, mode)
+        run_ours(engine, prompts[:1], 4)                                    # warm-up
+        for mode in args.hf:
+            if f"hf_{mode}" in runners:
+                run_hf(hf_model, prompts, min(new_tokens, 8), mode)         # warm-up (and compile)
+        times = interleaved(runners, args.repeats)
+        row = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+               "ours_s": times["ours"], "ours_tok_per_s": batch * new_tokens / times["ours"]}
+        for mode in args.hf:
+            t = times.get(f"hf_{mode}")
+            row[f"hf_{mode}_tok_per_s"] = batch * new_tokens / t if t else None
+        hf_rates = [row.get(f"hf_{m}_tok_per_s") for m in args.hf]
+        best = max((r for r in hf_rates if r), default=None)
+        row["ratio_to_best_hf"] = row["ours_tok_per_s"] / best if best else None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    engine.shutdown()
+
+    result = {"model": args.model, "device": str(device), "dtype": str(loaded.dtype),
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+              "kv_pool_tokens": engine.runner.kv_tokens, "graph_buckets": sorted(engine.runner.graphs),
+              "capture_s": engine.runner.capture_seconds, "ours": rows}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    print(markdown(rows, args.hf))
+
+
+def markdown(rows, modes) -> str:
+    head = "| B | prompt | new | ours tok/s | " + " | ".join(f"HF {m} tok/s" for m in modes) + " | ours / best HF |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        hf = " | ".join(f"{r.get(f'hf_{m}_tok_per_s') or float('nan'):.1f}" for m in modes)
+        ratio = f"{r['ratio_to_best_hf']:.2f}x" if r["ratio_to_best_hf"] else "-"
+        lines.append(f"| {r['batch']} | {r['prompt_len']} | {r['new_tokens']} | {r['ours_tok_per_s']:.1f} | {hf} | {ratio} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""``python -m server``: serve a model over HTTP.
+
+Every option also reads an environment variable (HOST, PORT, MODEL, API_KEY, ...: the option's
+name in upper case with '-' as '_'); a command-line flag wins over the environment.
+"""
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+
+from .logging_config import configure_logging, log_config
+from .settings import Settings
+
+log = logging.getLogger("server")
+
+# Engine sizing flags, passed to EngineConfig only when given (else the engine's defaults hold).
+ENGINE_FLAGS = {
+    "block_size": (int, "KV cache block size in tokens"),
+    "num_blocks": (int, "KV cache blocks (default: sized from memory)"),
+    "cpu_kv_cache_tokens": (int, "KV cache tokens on the CPU when --num-blocks is not given"),
+    "gpu_memory_fraction": (float, "share of GPU memory for weights, KV cache and graphs"),
+    "max_batch": (int, "sequences decoded in one step"),
+    "max_model_len": (int, "context length cap (default: the model's)"),
+    "max_prefill_tokens": (int, "prompt tokens admitted per step"),
+    "max_waiting_requests": (int, "queue bound in requests; past it requests get 429"),
+    "max_waiting_tokens": (int, "queue bound in prompt + max_new tokens; past it requests get 429"),
+}
+
+
+def _env(name: str, default=None):
+    return os.environ.get(name.upper().replace("-", "_"), default)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    d = Settings()
+    p = argparse.ArgumentParser(prog="python -m server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default=_env("host", d.host), help="bind address (default %(default)s)")
+    p.add_argument("--port", type=int, default=int(_env("port", d.port)))
+    p.add_argument("--model", default=_env("model", d.model),
+                   help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder, a .gguf "
+                        "file or random:<preset>")
+    p.add_argument("--dtype", default=_env("dtype"), choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--device", default=_env("device", "auto"), help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--api-key", default=_env("api_key"),
+                   help="require 'Authorization: Bearer <key>' on everything but /health")
+    p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", d.max_body_bytes)))
+    p.add_argument("--max-prompt-tokens", type=int, default=_env("max_prompt_tokens"),
+                   help="longest prompt accepted (default: the context length less one)")
+    p.add_argument("--default-max-new-tokens", type=int,
+                   default=int(_env("default_max_new_tokens", d.default_max_new_tokens)),
+                   help="tokens generated when a TGI or chat request names no limit")
+    p.add_argument("--log-prompts", action="store_true", default=_env("log_prompts") == "1",
+                   help="debug: write prompts and generated text into the logs")
+    p.add_argument("--log-level", default=_env("log_level", d.log_level),
+                   choices=["debug", "info", "warning", "error"])
+    engine = p.add_argument_group("engine sizing")
+    for name, (kind, help_text) in ENGINE_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        value = _env(name)
+        engine.add_argument(flag, type=kind, default=kind(value) if value else None, help=help_text)
+    engine.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
+    args = p.parse_args(argv)
+    if args.max_prompt_tokens is not None:
+        args.max_prompt_tokens = int(args.max_prompt_tokens)
+    return args
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    return Settings(host=args.host, port=args.port, model=args.model, dtype=args.dtype,
+                    device=resolve_device(args.device), api_key=args.api_key or None,
+                    max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                    default_max_new_tokens=args.default_max_new_tokens,
+                    log_prompts=args.log_prompts, log_level=args.log_level)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    if args.no_cuda_graphs:
+        options["cuda_graphs"] = False
+    return options
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    settings = settings_from(args)
+    options = engine_options(args)
+
+    import uvicorn
+
+    from models import load_model
+    from server.engine import Engine, EngineConfig
+
+    from .app import create_app
+
+    config = EngineConfig(**options)
+
+    def load():
+        return Engine(load_model(settings.model, dtype=settings.dtype, device=settings.device), config)
+
+    shown = {k: v for k, v in dataclasses.asdict(settings).items() if k != "api_key"}
+    log.info("starting", extra={"fields": {"settings": shown, "api_key": bool(settings.api_key),
+                                           "engine": options}})
+    app = create_app(settings=settings, loader=load)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_config=log_config(settings.log_level),
+                access_log=False, timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The FastAPI application factory."""
+
+import logging
+import threading
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from starlette.concurrency import run_in_threadpool
+
+from . import routes_openai, routes_ops, routes_tgi
+from .http_errors import install_error_handlers
+from .metrics import Metrics
+from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
+from .services import EngineSlot, Services
+from .settings import Settings
+
+log = logging.getLogger("server.app")
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def create_app(engine=None, settings: Settings | None = None, *,
+               loader: Callable[[], object] | None = None) -> FastAPI:
+    """The app serving ``engine`` (not yet started: the app starts it on startup and shuts it
+    down on shutdown). Give ``loader`` instead to build the engine in a background thread
+    after startup, so that /health can answer 503 while the model loads."""
+    if (engine is None) == (loader is None):
+        raise ValueError("give exactly one of engine or loader")
+    settings = settings or Settings()
+    slot = EngineSlot()
+    services = Services(settings=settings, slot=slot, metrics=Metrics(slot.get))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        stopping = threading.Event()
+        if engine is not None:
+            engine.start()
+            slot.engine = engine
+        else:
+            threading.Thread(target=_load, args=(loader, slot, stopping), name="model-loader",
+                             daemon=True).start()
+        try:
+            yield
+        finally:
+            stopping.set()
+            if slot.engine is not None:
+                await run_in_threadpool(slot.engine.shutdown)
+
+    app = FastAPI(title="flashdecode server", version="0.1.0", lifespan=lifespan,
+                  description="LLM text generation with TGI-style and OpenAI-compatible APIs.")
+    app.state.services = services
+    install_error_handlers(app)
+    app.include_router(routes_tgi.router)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_ops.router)
+
+    # Added innermost first: request context, then API key, then the body limit.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS)
+        app.openapi = _openapi_with_bearer(app)
+    app.add_middleware(RequestContextMiddleware, metrics=services.metrics)
+    return app
+
+
+def _load(loader: Callable[[], object], slot: EngineSlot, stopping: threading.Event) -> None:
+    try:
+        engine = loader()
+        engine.start()
+    except Exception as exc:
+        log.exception("loading the model failed")
+        slot.load_error = f"{type(exc).__name__}: {exc}"
+        return
+    if stopping.is_set():          # the server shut down while the model was loading
+        engine.shutdown()
+        return
+    slot.engine = engine
+    log.info("engine ready", extra={"fields": {"model": engine.model_name,
+                                               "max_model_len": engine.max_model_len}})
+
+
+def _openapi_with_bearer(app: FastAPI) -> Callable[[], dict]:
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer"}}
+            for path, operations in schema["paths"].items():
+                if path not in OPEN_PATHS:
+                    for operation in operations.values():
+                        operation["security"] = [{"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+    return openapi
