@@ -14,18 +14,43 @@ class IncrementalDetokenizer:
         self._tokens = list(prompt_ids[-PROMPT_CONTEXT:])
         self._prefix = 0                 # start of the window decoded for comparison
         self._read = len(self._tokens)   # tokens whose text has been released
+        self._released: str | None = None  # text of tokens[prefix:read], once decoded
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def push(self, token_id: int) -> list[list[int]]:
+        """Appends a token; returns the id windows to decode (one or two)."""
+        self._tokens.append(token_id)
+        window = self._tokens[self._prefix:]
+        return [window] if self._released is not None else [self._tokens[self._prefix:self._read], window]
+
+    def advance(self, texts: list[str]) -> str:
+        """Takes the decoded windows of ``push``; returns the newly printable text."""
+        if self._released is None:
+            self._released = texts[0]
+        window = texts[-1]
+        if len(window) <= len(self._released) or window.endswith("\ufffd"):
+            return ""
+        delta = window[len(self._released):]
+        self._prefix, self._read, self._released = self._read, len(self._tokens), None
+        return delta
 
     def step(self, token_id: int) -> str:
-        self._tokens.append(token_id)
-        released = self._decode(self._tokens[self._prefix:self._read])
-        window = self._decode(self._tokens[self._prefix:])
-        if len(window) <= len(released) or window.endswith("\ufffd"):
-            return ""
-        self._prefix, self._read = self._read, len(self._tokens)
-        return window[len(released):]
+        return step_all([self], [token_id], self.tokenizer)[0]
+
+
+def step_all(detokenizers: list[IncrementalDetokenizer], token_ids: list[int], tokenizer) -> list[str]:
+    """One token for each detokenizer; all windows are decoded in one batched call."""
+    windows = [d.push(t) for d, t in zip(detokenizers, token_ids)]
+    flat = [w for ws in windows for w in ws]
+    backend = getattr(tokenizer, "backend_tokenizer", None)     # the Rust tokenizer: one call, no wrappers
+    if backend is not None:
+        texts = backend.decode_batch(flat, skip_special_tokens=True)
+    else:
+        texts = tokenizer.batch_decode(flat, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    out, i = [], 0
+    for d, ws in zip(detokenizers, windows):
+        out.append(d.advance(texts[i:i + len(ws)]))
+        i += len(ws)
+    return out
 
 
 class StopMatcher:

@@ -19,7 +19,7 @@ from models import LoadedModel
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, step_all
 from .errors import EngineDeadError, QueueFullError
 from .model_runner import ModelRunner
 from .params import FinishEvent, SamplingParams, TokenEvent
@@ -243,18 +243,29 @@ class Engine:
         else:
             token_ids, token_logprobs = ids.cpu().tolist(), [None] * len(seqs)
         now = time.monotonic()
+        deltas = self._detokenize(seqs, token_ids)
         events = []
-        for seq, token, logprob in zip(seqs, token_ids, token_logprobs):
-            events.extend(self._append_token(seq, token, logprob if seq.params.logprobs else None, now))
+        for seq, token, logprob, delta in zip(seqs, token_ids, token_logprobs, deltas):
+            events.extend(self._append_token(seq, token, logprob if seq.params.logprobs else None, delta, now))
         return events
 
-    def _append_token(self, seq: Sequence, token: int, logprob, now: float):
+    def _detokenize(self, seqs, token_ids) -> list[str]:
+        live = [i for i, (s, t) in enumerate(zip(seqs, token_ids)) if not self._is_eos(s, t)]
+        texts = step_all([seqs[i].detokenizer for i in live], [token_ids[i] for i in live], self.tokenizer)
+        deltas = [""] * len(seqs)
+        for i, text in zip(live, texts):
+            deltas[i] = text
+        return deltas
+
+    def _is_eos(self, seq: Sequence, token: int) -> bool:
+        return token in self.eos_ids and not seq.params.ignore_eos
+
+    def _append_token(self, seq: Sequence, token: int, logprob, delta: str, now: float):
         seq.output_ids.append(token)
         if seq.first_token is None:
             seq.first_token = now
-        is_eos = token in self.eos_ids and not seq.params.ignore_eos
+        is_eos = self._is_eos(seq, token)
         special = token in self.special_ids
-        delta = "" if is_eos else seq.detokenizer.step(token)
         seq.text += delta
         release, stopped = seq.stop_matcher.scan(seq.text, seq.emitted, len(delta))
         reason = None

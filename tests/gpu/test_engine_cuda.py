@@ -1,0 +1,117 @@
+"""The serving engine on the GPU: our kernel and CUDA graphs against transformers' SDPA."""
+
+import copy
+import random
+
+import pytest
+import torch
+
+from models import load_model
+from server.engine import Engine, EngineConfig, SamplingParams
+from server.engine.block_manager import BlockManager
+from server.engine.model_runner import ModelRunner
+from server.engine.sequence import Sequence
+
+from ..helpers import run_all
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@torch.inference_mode()
+def teacher_forced_logits(loaded, prompt, continuation, cuda_graphs):
+    runner = ModelRunner(loaded, EngineConfig(max_batch=4, num_blocks=64, block_size=32, cuda_graphs=cuda_graphs,
+                                              graph_buckets=(1, 4)), max_model_len=1024)
+    blocks = BlockManager(runner.num_blocks, runner.block_size)
+    seq = Sequence("tf", prompt, SamplingParams(), seed=0, detokenizer=None, sink=None)
+    blocks.grow(seq.block_table, seq.length)
+    rows = [runner.prefill([(seq, seq.length)])[0].float()]
+    seq.num_cached = seq.length
+    for token in continuation[:-1]:
+        seq.output_ids.append(token)
+        blocks.grow(seq.block_table, seq.length)
+        rows.append(runner.decode([seq])[0].float())
+        seq.num_cached = seq.length
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m", "llama-gqa128"])
+@torch.inference_mode()
+def test_teacher_forced_logits_within_bf16_error_of_transformers(preset):
+    """Tolerance: our bf16 error against an fp32 run of the same weights may be at most 3x the
+    error of transformers' own bf16 SDPA run against that fp32 run (FlashAttention's criterion:
+    both sides round the same bf16 weights and activations; only the attention differs)."""
+    loaded = load_model(f"random:{preset}", dtype="bfloat16", device="cuda")
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    prompt = torch.randint(10, 40000, (300,), generator=gen).tolist()
+    continuation = torch.randint(10, 40000, (64,), generator=gen).tolist()
+    full = torch.tensor([prompt + continuation], device="cuda")
+
+    reference = copy.deepcopy(loaded.model).float()
+    reference.set_attn_implementation("sdpa")
+    exact = reference(full).logits[0, len(prompt) - 1:-1].double()
+    del reference
+    hf_bf16 = copy.deepcopy(loaded.model)
+    hf_bf16.set_attn_implementation("sdpa")
+    theirs = hf_bf16(full).logits[0, len(prompt) - 1:-1].double()
+    del hf_bf16
+
+    ours = teacher_forced_logits(loaded, prompt, continuation, cuda_graphs=True).double()
+    their_err = (theirs - exact).abs().max().item()
+    our_err = (ours - exact).abs().max().item()
+    print(f"{preset}: ours {our_err:.3e}, transformers bf16 {their_err:.3e}, |logits| {exact.abs().max():.3e}")
+    assert torch.isfinite(ours).all()
+    assert our_err <= 3 * their_err + 1e-6
+
+
+def test_graph_replay_gives_the_eager_tokens():
+    loaded = load_model("random:smollm2-135m", dtype="bfloat16", device="cuda")
+    rng = random.Random()
+    prompts = [[rng.randrange(10, 40000) for _ in range(rng.randint(5, 200))] for _ in range(4)]
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    results = []
+    for graphs in (True, False):
+        engine = Engine(loaded, EngineConfig(max_batch=4, num_blocks=512, cuda_graphs=graphs, graph_buckets=(1, 2, 4)))
+        engine.start()
+        try:
+            results.append([tokens for tokens, _, _ in run_all(engine, [(p, params) for p in prompts])])
+        finally:
+            engine.shutdown()
+    assert results[0] == results[1]
+
+
+def test_every_block_returns_on_the_gpu():
+    loaded = load_model("random:smollm2-135m", dtype="bfloat16", device="cuda")
+    engine = Engine(loaded, EngineConfig(max_batch=32, num_blocks=40, block_size=16, max_prefill_tokens=256))
+    engine.start()
+    rng = random.Random(7)
+    requests = []
+    for i in range(200):
+        prompt = [rng.randrange(3, 49000) for _ in range(rng.randint(1, 120))]
+        params = SamplingParams(max_new_tokens=rng.randint(1, 60), ignore_eos=True,
+                                temperature=rng.choice([0.0, 0.8]), top_p=rng.choice([1.0, 0.9]), seed=i)
+        requests.append((prompt, params, rng.randint(1, 5) if i % 5 == 0 else None))
+    try:
+        results = run_all(engine, requests)
+        reasons = [finish.reason for _, _, finish in results]
+        assert "error" not in reasons and reasons.count("abort") >= 1
+        assert engine.stats().preemptions > 0
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_seed_reproduces_text_on_the_gpu():
+    loaded = load_model("random:smollm2-135m", dtype="bfloat16", device="cuda")
+    engine = Engine(loaded, EngineConfig(max_batch=8, num_blocks=256))
+    engine.start()
+    prompt = list(range(100, 140))
+    params = SamplingParams(max_new_tokens=32, temperature=0.9, top_k=50, seed=1234, ignore_eos=True)
+    other = SamplingParams(max_new_tokens=32, temperature=0.9, seed=99, ignore_eos=True)
+    try:
+        alone = run_all(engine, [(prompt, params)])[0][0]
+        crowd = run_all(engine, [(prompt, other), (prompt, params), (prompt[:10], other)])
+        assert crowd[1][0] == alone
+        assert crowd[0][0] != alone
+    finally:
+        engine.shutdown()
