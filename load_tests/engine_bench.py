@@ -94,6 +94,8 @@ def main(argv=None):
     ap.add_argument("--hf-max-batch", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
+    ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -106,7 +108,8 @@ def main(argv=None):
     longest = max(p + n for _, p, n in cases)
     config = EngineConfig(max_batch=max(b for b, _, _ in cases), max_model_len=max(longest, 1024),
                           max_prefill_tokens=8192, num_blocks=args.num_blocks,
-                          gpu_memory_fraction=0.45 if args.hf else 0.8)
+                          gpu_memory_fraction=0.45 if args.hf else 0.8,
+                          compile=args.compile, cuda_graphs=not args.no_graphs)
     engine = Engine(loaded, config)
     engine.start()
     hf_model = None
@@ -128,6 +131,7 @@ def main(argv=None):
         times = interleaved(runners, args.repeats)
         row = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
                "ours_s": times["ours"], "ours_tok_per_s": batch * new_tokens / times["ours"]}
+        row["tok_per_s"] = row["ours_tok_per_s"]
         for mode in args.hf:
             t = times.get(f"hf_{mode}")
             row[f"hf_{mode}_tok_per_s"] = batch * new_tokens / t if t else None

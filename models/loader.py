@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from . import attention
 from .presets import preset_config
-from .sources import ModelSource, embedded_gguf_path, resolve
+from .sources import ModelSource, resolve
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ def converted_gguf_folder(gguf: Path) -> Path:
     return folder
 
 
-def _embedded_tokenizer():
-    return AutoTokenizer.from_pretrained(converted_gguf_folder(embedded_gguf_path()))
+# SmolLM2's tokenizer and chat template, shipped with the code so random presets need no weights.
+PRESET_TOKENIZER = Path(__file__).parent / "tokenizer"
 
 
 def _load_random(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -88,7 +88,7 @@ def _load_random(preset: str, dtype: torch.dtype, device: torch.device, seed: in
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention.NAME)
-    return model, _embedded_tokenizer()
+    return model, AutoTokenizer.from_pretrained(PRESET_TOKENIZER)
 
 
 def load_model(spec: str = "default", dtype: str | None = None, device: str | torch.device = "cpu") -> LoadedModel:

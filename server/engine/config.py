@@ -13,6 +13,7 @@ class EngineConfig:
     max_waiting_requests: int = 1024         # queue bound: admission answers QueueFullError past it
     max_waiting_tokens: int = 4_000_000      # queue bound in prompt + max_new tokens
     cuda_graphs: bool = True
+    compile: bool = False                    # torch.compile the decode step before graph capture
     graph_buckets: tuple[int, ...] | None = None   # decode batch sizes captured; None: 1, 2, 4, ... max_batch
 
     def buckets(self) -> tuple[int, ...]:

@@ -49,6 +49,10 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.num_layers)]
         self._init_decode_buffers()
+        self._decode_model = forward_logits
+        if config.compile and self.device.type == "cuda":
+            # one dynamic-shape compile serves every bucket; the graphs below capture its kernels
+            self._decode_model = torch.compile(forward_logits, dynamic=True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         if self.device.type == "cuda" and config.cuda_graphs:
@@ -114,7 +118,7 @@ class ModelRunner:
                               self.seq_lens[:rows], is_decode=True, workspace=self.workspace)
 
     def _decode_forward(self, rows: int) -> torch.Tensor:
-        return forward_logits(self.model, self.input_ids[:rows], self.positions[:rows], self._decode_batch(rows))
+        return self._decode_model(self.model, self.input_ids[:rows], self.positions[:rows], self._decode_batch(rows))
 
     # ---- CUDA graphs ----------------------------------------------------------------------
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one command, logs under $OUT and a short table last.
+#
+#   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [kernel-bench] [engine-bench] [compile] [http]
+#
+# With no stage named, all run. On a host without the web stack, wheels in .whl/ are installed
+# first (see the README's GPU section).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export FLASHDECODE_CACHE=${FLASHDECODE_CACHE:-/tmp/flashdecode-cache}
+if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+stages=${*:-tests kernel-bench engine-bench compile http}
+want() { [[ " $stages " == *" $1 "* ]]; }
+summary=()
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+stamp "building the kernel"
+python3 -c "import kernels.build as b; b.load_extension()" 2>&1 | tail -5 | tee "$OUT/build.log"
+
+if want tests; then
+  stamp "GPU tests"
+  timeout 420 python3 -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  summary+=("gpu tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/gpu_tests.log" | tail -1)")
+fi
+if want kernel-bench; then
+  stamp "kernel benchmark"
+  timeout 300 python3 -m kernels.bench --out "$OUT" 2>&1 | tee "$OUT/kernel_bench.log" | tail -40
+fi
+if want engine-bench; then
+  stamp "engine benchmark"
+  timeout 420 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m \
+      --batch 1 16 64 256 --long-batch 1 8 --hf default static --repeats 1 \
+      --out "$OUT/engine_bench.json" 2>&1 | tee "$OUT/engine_bench.log" | grep -v '^{' | tail -30
+fi
+if want compile; then
+  stamp "engine with torch.compile"
+  timeout 300 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m \
+      --batch 1 64 256 --hf --repeats 2 --compile --out "$OUT/engine_compile.json" 2>&1 \
+      | tee "$OUT/engine_compile.log" | grep -E 'captured|ready|^\|' | tail -12
+fi
+if want http; then
+  stamp "HTTP load test"
+  timeout 420 python3 -m load_tests.loadgen --serve "--model random:smollm2-135m --device cuda" \
+      --concurrency 1,16,64,256 --input-len 128 --output-len 256 --no-progress \
+      --engine-json "$OUT/engine_bench.json" --out-dir "$OUT/http" 2>&1 | tee "$OUT/http.log" | tail -30
+fi
+stamp "done"
+printf '%s\n' "${summary[@]}"
