@@ -69,6 +69,30 @@ class RequestStream:
             self._engine.abort(self.request_id)
 
 
+class Inflight:
+    """A step's sampled tokens on their way to the host (one copy per step, into pinned memory)."""
+
+    def __init__(self, seqs, host: torch.Tensor, count: int, with_logprobs: bool, done):
+        self.seqs, self._host, self._count, self._with_logprobs, self._done = seqs, host, count, with_logprobs, done
+
+    @classmethod
+    def launch(cls, seqs, ids: torch.Tensor, logprobs: torch.Tensor | None, host: torch.Tensor) -> "Inflight":
+        packed = ids.double() if logprobs is None else torch.cat([ids.double(), logprobs.double()])
+        host[:packed.shape[0]].copy_(packed, non_blocking=True)
+        done = None
+        if ids.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return cls(seqs, host, ids.shape[0], logprobs is not None, done)
+
+    def read(self) -> tuple[list[int], list[float] | None]:
+        if self._done is not None:
+            self._done.synchronize()
+        n = self._count
+        values = self._host[:2 * n if self._with_logprobs else n].tolist()
+        return [int(v) for v in values[:n]], (values[n:] if self._with_logprobs else None)
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
@@ -81,7 +105,12 @@ class Engine:
         started = time.monotonic()
         self.runner = ModelRunner(loaded, self.config, self.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.blocks, self.config.max_batch, self.config.max_prefill_tokens)
+        self.scheduler = Scheduler(self.blocks, self.config.max_batch, self.config.max_prefill_tokens,
+                                   self.max_model_len)
+        pinned = loaded.device.type == "cuda"
+        self._readback = [torch.zeros(2 * self.config.max_batch, dtype=torch.float64, pin_memory=pinned)
+                          for _ in range(3)]
+        self._inflight: Inflight | None = None
         log.info("KV pool: %d blocks of %d tokens (%d tokens); graph buckets %s, captured in %.1f s; "
                  "engine ready in %.1f s", self.blocks.num_blocks, self.config.block_size, self.runner.kv_tokens,
                  sorted(self.runner.graphs) or "none", self.runner.capture_seconds, time.monotonic() - started)
@@ -200,53 +229,84 @@ class Engine:
                 self._queued_tokens -= seq.reserved_tokens()
 
     def step(self) -> list[tuple[Sequence, object]]:
-        """One model step; returns the (sequence, event) pairs it produced."""
+        """One model step; returns the (sequence, event) pairs that became known.
+
+        A decode step is launched before the previous decode's tokens are read back, so the
+        host's bookkeeping (detokenizing, stop strings, events) overlaps the GPU's next step;
+        the next step reads its input tokens from the device. Prefills, and batches that need
+        every earlier token on the host, first wait for the step in flight."""
+        events = []
+        if self.scheduler.needs_sync() or self.scheduler.prefill_turn():
+            events += self._complete_inflight()
         work = self.scheduler.schedule()
         if work is None:
-            return []
+            return events + self._complete_inflight()
         self.steps += 1
         if isinstance(work, PrefillStep):
-            for seq, _ in work.chunks:
-                self._unqueue(seq)
-            logits = self.runner.prefill(work.chunks)
-            ready = []
-            for row, (seq, take) in enumerate(work.chunks):
-                seq.num_cached += take
-                if seq.prefill_remaining == 0:
-                    self.scheduler.prefill_done(seq)
-                    ready.append((row, seq))
-            if not ready:
-                return []
-            rows = torch.tensor([r for r, _ in ready], device=logits.device)
-            return self._sample_and_emit(logits[rows] if len(ready) < len(work.chunks) else logits,
-                                         [s for _, s in ready])
-        logits = self.runner.decode(work.seqs)
+            return events + self._prefill(work)
+        inflight = self._inflight
+        rows_before = {id(seq): row for row, seq in enumerate(inflight.seqs)} if inflight else {}
+        sources = [rows_before[id(seq)] if seq.pending else -1 for seq in work.seqs]
+        logits = self.runner.decode(work.seqs, sources)
+        ids, logprobs = sample(logits, self._sampling_rows(work.seqs))
+        self.runner.keep_sampled(ids)
         for seq in work.seqs:
-            seq.num_cached = seq.length
-        return self._sample_and_emit(logits, work.seqs)
+            seq.num_cached = seq.total_len
+            seq.pending += 1
+        self._inflight = Inflight.launch(work.seqs, ids, logprobs, self._readback[self.steps % 2])
+        if inflight is not None:
+            events += self._emit(inflight.seqs, *inflight.read())
+        return events
 
-    def _sample_and_emit(self, logits, seqs) -> list[tuple[Sequence, object]]:
-        rows = SamplingRows(
+    def _complete_inflight(self) -> list:
+        inflight, self._inflight = self._inflight, None
+        return self._emit(inflight.seqs, *inflight.read()) if inflight else []
+
+    def _prefill(self, work: PrefillStep) -> list:
+        for seq, _ in work.chunks:
+            self._unqueue(seq)
+        logits = self.runner.prefill(work.chunks)
+        ready = []
+        for row, (seq, take) in enumerate(work.chunks):
+            seq.num_cached += take
+            if seq.prefill_remaining == 0:
+                self.scheduler.prefill_done(seq)
+                ready.append((row, seq))
+        if not ready:
+            return []
+        seqs = [s for _, s in ready]
+        if len(ready) < len(work.chunks):
+            logits = logits[torch.tensor([r for r, _ in ready], device=logits.device)]
+        ids, logprobs = sample(logits, self._sampling_rows(seqs))
+        for seq in seqs:
+            seq.pending += 1
+        return self._emit(seqs, *Inflight.launch(seqs, ids, logprobs, self._readback[2]).read())
+
+    def _sampling_rows(self, seqs) -> SamplingRows:
+        return SamplingRows(
             temperature=[s.params.temperature for s in seqs],
             top_k=[s.params.top_k for s in seqs],
             top_p=[s.params.top_p for s in seqs],
             repetition_penalty=[s.params.repetition_penalty for s in seqs],
             seeds=[s.seed for s in seqs],
-            positions=[len(s.output_ids) for s in seqs],
+            positions=[len(s.output_ids) + s.pending for s in seqs],
             history=[s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs],
             want_logprobs=any(s.params.logprobs for s in seqs),
         )
-        ids, logprobs = sample(logits, rows)
-        if logprobs is not None:
-            host = torch.stack([ids.double(), logprobs.double()]).cpu()     # the step's one transfer
-            token_ids, token_logprobs = host[0].long().tolist(), host[1].tolist()
-        else:
-            token_ids, token_logprobs = ids.cpu().tolist(), [None] * len(seqs)
+
+    def _emit(self, seqs, token_ids, token_logprobs) -> list[tuple[Sequence, object]]:
+        """Apply read-back tokens; sequences that ended meanwhile (an abort, or a stop found in
+        the step before) drop theirs."""
+        for seq in seqs:
+            seq.pending -= 1
+        live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
         now = time.monotonic()
-        deltas = self._detokenize(seqs, token_ids)
+        deltas = self._detokenize([seqs[i] for i in live], [token_ids[i] for i in live])
         events = []
-        for seq, token, logprob, delta in zip(seqs, token_ids, token_logprobs, deltas):
-            events.extend(self._append_token(seq, token, logprob if seq.params.logprobs else None, delta, now))
+        for i, delta in zip(live, deltas):
+            seq = seqs[i]
+            logprob = token_logprobs[i] if token_logprobs is not None and seq.params.logprobs else None
+            events.extend(self._append_token(seq, token_ids[i], logprob, delta, now))
         return events
 
     def _detokenize(self, seqs, token_ids) -> list[str]:

@@ -79,8 +79,9 @@ class ModelRunner:
 
     def _init_decode_buffers(self):
         n, pin = self.max_batch, self.device.type == "cuda"
-        # packed int32 host buffer: ids | positions | slots | lens | block table (n x blocks used)
-        self._host = torch.zeros(4 * n + n * self.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        # One packed int32 host buffer, one copy per step:
+        # ids | source rows | positions | slots | lengths | block table (rows x widest table)
+        self._host = torch.zeros(5 * n + n * self.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         self._host_np = self._host.numpy()
         self._packed = torch.zeros_like(self._host, device=self.device)
         self.input_ids = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
@@ -88,30 +89,41 @@ class ModelRunner:
         self.slots = torch.full((n,), -1, dtype=torch.int32, device=self.device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=self.device)
         self.block_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        self.sampled = torch.zeros(n, dtype=torch.int32, device=self.device)   # last decode's tokens
 
-    def _load_decode_metadata(self, seqs, rows: int) -> None:
-        """Fill the static buffers' first ``rows`` rows for ``seqs``; the rest are padding."""
+    def keep_sampled(self, ids: torch.Tensor) -> None:
+        """Keeps a decode step's sampled ids on the device: the next step reads its inputs here."""
+        self.sampled[:ids.shape[0]].copy_(ids)
+
+    def _load_decode_metadata(self, seqs, sources, rows: int) -> None:
+        """Fill the static buffers' first ``rows`` rows for ``seqs``; the rest are padding.
+        ``sources[i]`` is the row of the previous decode whose sampled token is row i's input
+        (still on the device), or -1 when the host knows the input token."""
         n, bs = self.max_batch, self.block_size
         width = max(len(s.block_table) for s in seqs)
         h = self._host_np
-        ids, pos, slots, lens = h[0:rows], h[n:n + rows], h[2 * n:2 * n + rows], h[3 * n:3 * n + rows]
-        table = h[4 * n:4 * n + rows * width].reshape(rows, width)
-        ids[:], pos[:], slots[:], lens[:], table[:] = 0, 0, -1, 1, 0
+        ids, src, pos = h[0:rows], h[n:n + rows], h[2 * n:2 * n + rows]
+        slots, lens = h[3 * n:3 * n + rows], h[4 * n:4 * n + rows]
+        table = h[5 * n:5 * n + rows * width].reshape(rows, width)
+        ids[:], src[:], pos[:], slots[:], lens[:], table[:] = 0, -1, 0, -1, 1, 0
         for i, s in enumerate(seqs):
-            p = s.length - 1
-            ids[i] = s.output_ids[-1] if s.output_ids else s.prompt_ids[-1]
+            p = s.total_len - 1
+            if sources[i] < 0:
+                ids[i] = s.output_ids[-1] if s.output_ids else s.prompt_ids[-1]
+            src[i] = sources[i]
             pos[i] = p
             slots[i] = s.block_table[p // bs] * bs + p % bs
-            lens[i] = s.length
+            lens[i] = p + 1
             table[i, :len(s.block_table)] = s.block_table
-        count = 4 * n + rows * width
+        count = 5 * n + rows * width
         self._packed[:count].copy_(self._host[:count], non_blocking=True)
         d = self._packed
-        self.input_ids[:rows, 0].copy_(d[0:rows])
-        self.positions[:rows, 0].copy_(d[n:n + rows])
-        self.slots[:rows].copy_(d[2 * n:2 * n + rows])
-        self.seq_lens[:rows].copy_(d[3 * n:3 * n + rows])
-        self.block_tables[:rows, :width].copy_(d[4 * n:4 * n + rows * width].view(rows, width))
+        from_device = d[n:n + rows]
+        self.input_ids[:rows, 0] = torch.where(from_device >= 0, self.sampled[from_device.clamp(min=0)], d[0:rows])
+        self.positions[:rows, 0].copy_(d[2 * n:2 * n + rows])
+        self.slots[:rows].copy_(d[3 * n:3 * n + rows])
+        self.seq_lens[:rows].copy_(d[4 * n:4 * n + rows])
+        self.block_tables[:rows, :width].copy_(d[5 * n:5 * n + rows * width].view(rows, width))
 
     def _decode_batch(self, rows: int) -> AttentionBatch:
         return AttentionBatch(self.kv_caches, self.slots[:rows], self.block_tables[:rows],
@@ -147,11 +159,12 @@ class ModelRunner:
     # ---- steps ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self, seqs) -> torch.Tensor:
-        """Logits [len(seqs), vocab] for the next token of each sequence."""
+    def decode(self, seqs, sources=None) -> torch.Tensor:
+        """Logits [len(seqs), vocab] for the next token of each sequence (see
+        ``_load_decode_metadata`` for ``sources``)."""
         batch = len(seqs)
         bucket = self.bucket_for(batch)
-        self._load_decode_metadata(seqs, bucket or batch)
+        self._load_decode_metadata(seqs, sources or [-1] * batch, bucket or batch)
         if bucket is None:
             return self._decode_forward(batch)
         graph, logits = self.graphs[bucket]

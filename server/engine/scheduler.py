@@ -25,8 +25,9 @@ class DecodeStep:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int):
+    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, max_model_len: int):
         self.blocks = blocks
+        self.max_model_len = max_model_len
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
@@ -40,14 +41,23 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def prefill_turn(self) -> bool:
+        """Whether the next step tries a prefill (so everything in flight must be known)."""
+        return (bool(self.waiting) and len(self.running) < self.max_batch
+                and not (self._last_was_prefill and self.running))
+
     def schedule(self) -> PrefillStep | DecodeStep | None:
-        if self.waiting and not (self._last_was_prefill and self.running):
+        if self.prefill_turn():
             step = self._schedule_prefill()
             if step is not None:
                 self._last_was_prefill = True
                 return step
         self._last_was_prefill = False
         return self._schedule_decode() if self.running else None
+
+    def needs_sync(self) -> bool:
+        """Whether the next decode needs every earlier token on the host (repetition penalty)."""
+        return any(s.params.repetition_penalty != 1.0 for s in self.running)
 
     def _schedule_prefill(self) -> PrefillStep | None:
         budget = self.max_prefill_tokens
@@ -68,17 +78,17 @@ class Scheduler:
     def _schedule_decode(self) -> DecodeStep:
         scheduled: list[Sequence] = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING:
+            if seq.status is not Status.RUNNING or seq.runs_out(self.max_model_len):
                 continue
-            while not self.blocks.can_grow(seq.block_table, seq.length):
+            while not self.blocks.can_grow(seq.block_table, seq.total_len):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.blocks.grow(seq.block_table, seq.length)
+                self.blocks.grow(seq.block_table, seq.total_len)
                 scheduled.append(seq)
-        return DecodeStep(scheduled)
+        return DecodeStep(scheduled) if scheduled else None
 
     def prefill_done(self, seq: Sequence) -> None:
         """``seq``'s whole prompt is in the cache: it decodes from the next step on."""

@@ -23,6 +23,7 @@ class Sequence:
         self.output_ids: list[int] = []
         self.block_table: list[int] = []
         self.num_cached = 0                      # tokens whose K/V are in the cache
+        self.pending = 0                         # tokens sampled on the device, not yet read back
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.detokenizer = detokenizer
@@ -40,6 +41,11 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def total_len(self) -> int:
+        """Tokens including the one still in flight: the next decode step's length."""
+        return self.length + self.pending
+
+    @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
@@ -51,6 +57,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def runs_out(self, max_model_len: int) -> bool:
+        """Whether the token in flight is its last one (by max_new_tokens or the context)."""
+        generated = len(self.output_ids) + self.pending
+        return generated >= self.params.max_new_tokens or self.total_len >= max_model_len
 
     def reserved_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_new_tokens
