@@ -144,8 +144,8 @@ def main(argv=None):
 
     result = {"model": args.model, "device": str(device), "dtype": str(loaded.dtype),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-              "kv_pool_tokens": engine.runner.kv_tokens, "graph_buckets": sorted(engine.runner.graphs),
-              "capture_s": engine.runner.capture_seconds, "ours": rows}
+              "kv_pool_tokens": engine.core.runner.kv_tokens, "graph_buckets": sorted(engine.core.runner.graphs),
+              "capture_s": engine.core.runner.capture_seconds, "ours": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

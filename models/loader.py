@@ -91,6 +91,15 @@ def _load_random(preset: str, dtype: torch.dtype, device: torch.device, seed: in
     return model, AutoTokenizer.from_pretrained(PRESET_TOKENIZER)
 
 
+def load_tokenizer(spec: str = "default"):
+    """The tokenizer alone, for a process that serves HTTP while another holds the model."""
+    source = resolve(spec)
+    if source.kind == "random":
+        return AutoTokenizer.from_pretrained(PRESET_TOKENIZER)
+    folder = converted_gguf_folder(source.path) if source.kind == "gguf" else source.path
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def load_model(spec: str = "default", dtype: str | None = None, device: str | torch.device = "cpu") -> LoadedModel:
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)

@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="longest prompt accepted (default: the context length less one)")
     p.add_argument("--default-max-new-tokens", type=int,
                    default=int(_env("default_max_new_tokens", d.default_max_new_tokens)),
-                   help="tokens generated when a TGI or chat request names no limit")
+                   help="tokens generated when a TGI or chat request names no limit "
+                        "(/v1/completions: OpenAI's 16, or this if lower)")
     p.add_argument("--log-prompts", action="store_true", default=_env("log_prompts") == "1",
                    help="debug: write prompts and generated text into the logs")
     p.add_argument("--log-level", default=_env("log_level", d.log_level),
@@ -63,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = _env(name)
         engine.add_argument(flag, type=kind, default=kind(value) if value else None, help=help_text)
     engine.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
+    engine.add_argument("--compile", action="store_true", default=_env("compile") == "1",
+                        help="torch.compile the decode step before capturing its graphs")
+    engine.add_argument("--engine-thread", action="store_true", default=_env("engine_thread") == "1",
+                        help="run the engine in a thread of the server process instead of a process of its own")
     args = p.parse_args(argv)
     if args.max_prompt_tokens is not None:
         args.max_prompt_tokens = int(args.max_prompt_tokens)
@@ -88,6 +93,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
     if args.no_cuda_graphs:
         options["cuda_graphs"] = False
+    if args.compile:
+        options["compile"] = True
     return options
 
 
@@ -100,21 +107,34 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from models import load_model
-    from server.engine import Engine, EngineConfig
+    from server.engine import Engine, EngineConfig, ProcessEngine
 
     from .app import create_app
 
     config = EngineConfig(**options)
 
     def load():
-        return Engine(load_model(settings.model, dtype=settings.dtype, device=settings.device), config)
+        if args.engine_thread:
+            return Engine(load_model(settings.model, dtype=settings.dtype, device=settings.device), config)
+        return ProcessEngine(settings.model, dtype=settings.dtype, device=settings.device, config=config)
 
     shown = {k: v for k, v in dataclasses.asdict(settings).items() if k != "api_key"}
     log.info("starting", extra={"fields": {"settings": shown, "api_key": bool(settings.api_key),
                                            "engine": options}})
-    app = create_app(settings=settings, loader=load)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_config=log_config(settings.log_level),
-                access_log=False, timeout_graceful_shutdown=5)
+    failed: list[str] = []
+
+    def stop_on_load_error(message: str) -> None:
+        failed.append(message)
+        server.should_exit = True
+
+    app = create_app(settings=settings, loader=load, on_load_error=stop_on_load_error)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_config=log_config(settings.log_level),
+        access_log=False, timeout_graceful_shutdown=5))
+    server.run()
+    if failed:
+        log.error("exiting: the model could not be loaded", extra={"fields": {"error": failed[0]}})
+        return 1
     return 0
 
 

@@ -53,7 +53,7 @@ def test_every_block_returns_after_aborts_and_preemption(tiny):
             if finish.reason == "length":
                 assert len(tokens) == params.max_new_tokens
         assert engine.stats().preemptions > 0
-        assert engine.blocks.num_free == engine.blocks.num_blocks
+        assert engine.core.blocks.num_free == engine.core.blocks.num_blocks
         assert engine.stats().running == engine.stats().waiting == 0
     finally:
         engine.shutdown()
@@ -87,7 +87,7 @@ def test_long_prompt_is_prefilled_in_chunks(tiny):
         (chunked,) = run_all(engine, [(prompt, params)])
         (single,) = run_all(whole, [(prompt, params)])
         assert chunked[0] == single[0]
-        assert engine.steps >= 150 // 32 + 8
+        assert engine.core.steps >= 150 // 32 + 8
     finally:
         engine.shutdown()
         whole.shutdown()

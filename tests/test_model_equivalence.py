@@ -53,7 +53,7 @@ def test_teacher_forced_logits_match_sdpa(ours, sdpa_model):
 
     runner = ModelRunner(ours, EngineConfig(max_batch=4, num_blocks=32, block_size=16), max_model_len=512)
     blocks = BlockManager(runner.num_blocks, runner.block_size)
-    seq = Sequence("tf", prompt, SamplingParams(), seed=0, detokenizer=None, sink=None)
+    seq = Sequence("tf", prompt, SamplingParams(), seed=0, detokenizer=None)
     blocks.grow(seq.block_table, seq.length)
     got = [runner.prefill([(seq, seq.length)])[0]]
     seq.num_cached = seq.length

@@ -1,7 +1,9 @@
 from .config import EngineConfig
-from .engine import Engine, EngineStats, RequestStream
+from .core import EngineCore, EngineStats
+from .engine import Engine, EngineFrontend, RequestStream
 from .errors import EngineDeadError, QueueFullError
 from .params import FinishEvent, SamplingParams, TokenEvent
+from .process import ProcessEngine
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestStream", "EngineDeadError", "QueueFullError",
-           "FinishEvent", "SamplingParams", "TokenEvent"]
+__all__ = ["Engine", "EngineConfig", "EngineCore", "EngineFrontend", "EngineStats", "ProcessEngine",
+           "RequestStream", "EngineDeadError", "QueueFullError", "FinishEvent", "SamplingParams", "TokenEvent"]

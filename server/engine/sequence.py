@@ -15,7 +15,7 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
-                 detokenizer: IncrementalDetokenizer, sink):
+                 detokenizer: IncrementalDetokenizer | None):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -30,7 +30,6 @@ class Sequence:
         self.stop_matcher = StopMatcher(params.stop)
         self.text = ""                           # decoded output so far
         self.emitted = 0                         # characters of text already streamed
-        self.sink = sink                         # receives this sequence's events
         self.arrival = time.monotonic()
         self.first_scheduled: float | None = None
         self.first_token: float | None = None

@@ -23,7 +23,7 @@ def teacher_forced_logits(loaded, prompt, continuation, cuda_graphs):
     runner = ModelRunner(loaded, EngineConfig(max_batch=4, num_blocks=64, block_size=32, cuda_graphs=cuda_graphs,
                                               graph_buckets=(1, 4)), max_model_len=1024)
     blocks = BlockManager(runner.num_blocks, runner.block_size)
-    seq = Sequence("tf", prompt, SamplingParams(), seed=0, detokenizer=None, sink=None)
+    seq = Sequence("tf", prompt, SamplingParams(), seed=0, detokenizer=None)
     blocks.grow(seq.block_table, seq.length)
     rows = [runner.prefill([(seq, seq.length)])[0].float()]
     seq.num_cached = seq.length
@@ -96,7 +96,7 @@ def test_every_block_returns_on_the_gpu():
         reasons = [finish.reason for _, _, finish in results]
         assert "error" not in reasons and reasons.count("abort") >= 1
         assert engine.stats().preemptions > 0
-        assert engine.blocks.num_free == engine.blocks.num_blocks
+        assert engine.core.blocks.num_free == engine.core.blocks.num_blocks
     finally:
         engine.shutdown()
 

@@ -1,0 +1,292 @@
+"""The engine core: scheduler, KV pool, model runner and sampler, stepping in one thread.
+
+It takes requests and aborts from an inbox and hands every step's events, tagged with their
+request ids, to ``publish`` together with a snapshot of its state. It runs in a thread of the
+server (``Engine``) or in a process of its own (``ProcessEngine``); it never sees asyncio.
+"""
+
+import itertools
+import logging
+import queue
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from models import LoadedModel
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer, step_all
+from .model_runner import ModelRunner
+from .params import FinishEvent, SamplingParams, TokenEvent
+from .sampler import SamplingRows, sample
+from .scheduler import PrefillStep, Scheduler
+from .sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    preemptions: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a front end needs to know of the model the core serves."""
+    model_name: str
+    max_model_len: int
+    kv_tokens: int
+    block_size: int
+    num_blocks: int
+
+
+Publish = Callable[[list[tuple[str, object]], EngineStats], None]
+
+
+class Inflight:
+    """A step's sampled tokens on their way to the host (one copy per step, into pinned memory)."""
+
+    def __init__(self, seqs, host: torch.Tensor, count: int, with_logprobs: bool, done):
+        self.seqs, self._host, self._count, self._with_logprobs, self._done = seqs, host, count, with_logprobs, done
+
+    @classmethod
+    def launch(cls, seqs, ids: torch.Tensor, logprobs: torch.Tensor | None, host: torch.Tensor) -> "Inflight":
+        packed = ids.double() if logprobs is None else torch.cat([ids.double(), logprobs.double()])
+        host[:packed.shape[0]].copy_(packed, non_blocking=True)
+        done = None
+        if ids.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return cls(seqs, host, ids.shape[0], logprobs is not None, done)
+
+    def read(self) -> tuple[list[int], list[float] | None]:
+        if self._done is not None:
+            self._done.synchronize()
+        n = self._count
+        values = self._host[:2 * n if self._with_logprobs else n].tolist()
+        return [int(v) for v in values[:n]], (values[n:] if self._with_logprobs else None)
+
+
+class EngineCore:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, publish: Publish):
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(loaded.max_model_len, config.max_model_len or loaded.max_model_len)
+        self.eos_ids = loaded.eos_token_ids
+        self.special_ids = set(getattr(self.tokenizer, "all_special_ids", []))
+        self.publish = publish
+        started = time.monotonic()
+        self.runner = ModelRunner(loaded, config, self.max_model_len)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens, self.max_model_len)
+        pinned = loaded.device.type == "cuda"
+        self._readback = [torch.zeros(2 * config.max_batch, dtype=torch.float64, pin_memory=pinned)
+                          for _ in range(3)]
+        self._inflight: Inflight | None = None
+        self.steps = 0
+        self.info = ModelInfo(loaded.name, self.max_model_len, self.runner.kv_tokens, config.block_size,
+                              self.blocks.num_blocks)
+        log.info("KV pool: %d blocks of %d tokens (%d tokens); graph buckets %s, captured in %.1f s; "
+                 "engine ready in %.1f s", self.blocks.num_blocks, config.block_size, self.runner.kv_tokens,
+                 sorted(self.runner.graphs) or "none", self.runner.capture_seconds, time.monotonic() - started)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           self.blocks.num_blocks, self.blocks.num_used, self.scheduler.preemptions)
+
+    def run(self, inbox, stop: Callable[[], bool] = lambda: False) -> None:
+        """Steps until a ``("stop", None)`` message or ``stop()``. Inbox messages:
+        ``("add", (request_id, prompt_ids, params, seed))`` and ``("abort", request_id)``."""
+        try:
+            while not stop():
+                busy = self.scheduler.has_work() or self._inflight is not None
+                for kind, payload in _drain(inbox, block=not busy):
+                    if kind == "stop":
+                        return
+                    if kind == "add":
+                        self.add(*payload)
+                    elif kind == "abort":
+                        self.abort(payload)
+                if self.scheduler.has_work() or self._inflight is not None:
+                    self._publish(self.step())
+        except Exception as exc:                  # the loop cannot go on: fail every request
+            log.exception("engine step failed")
+            self.fail_all(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        self.scheduler.add(Sequence(request_id, prompt_ids, params, seed, detok))
+
+    def abort(self, request_id: str) -> None:
+        for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
+            if seq.request_id == request_id:
+                self._publish([(seq, self._finish(seq, "abort"))])
+                return
+
+    def _publish(self, events) -> None:
+        if events:
+            self.publish([(seq.request_id, ev) for seq, ev in events], self.stats())
+
+    def _unqueue(self, seq: Sequence) -> None:
+        if seq.first_scheduled is None:
+            seq.first_scheduled = time.monotonic()
+
+    def step(self) -> list[tuple[Sequence, object]]:
+        """One model step; returns the (sequence, event) pairs that became known.
+
+        A decode step is launched before the previous decode's tokens are read back, so the
+        host's bookkeeping (detokenizing, stop strings, events) overlaps the GPU's next step;
+        the next step reads its input tokens from the device. Prefills, and batches that need
+        every earlier token on the host, first wait for the step in flight."""
+        events = []
+        if self.scheduler.needs_sync() or self.scheduler.prefill_turn():
+            events += self._complete_inflight()
+        work = self.scheduler.schedule()
+        if work is None:
+            return events + self._complete_inflight()
+        self.steps += 1
+        if isinstance(work, PrefillStep):
+            return events + self._prefill(work)
+        inflight = self._inflight
+        rows_before = {id(seq): row for row, seq in enumerate(inflight.seqs)} if inflight else {}
+        sources = [rows_before[id(seq)] if seq.pending else -1 for seq in work.seqs]
+        logits = self.runner.decode(work.seqs, sources)
+        ids, logprobs = sample(logits, self._sampling_rows(work.seqs))
+        self.runner.keep_sampled(ids)
+        for seq in work.seqs:
+            seq.num_cached = seq.total_len
+            seq.pending += 1
+        self._inflight = Inflight.launch(work.seqs, ids, logprobs, self._readback[self.steps % 2])
+        if inflight is not None:
+            events += self._emit(inflight.seqs, *inflight.read())
+        return events
+
+    def _complete_inflight(self) -> list:
+        inflight, self._inflight = self._inflight, None
+        return self._emit(inflight.seqs, *inflight.read()) if inflight else []
+
+    def _prefill(self, work: PrefillStep) -> list:
+        for seq, _ in work.chunks:
+            self._unqueue(seq)
+        logits = self.runner.prefill(work.chunks)
+        ready = []
+        for row, (seq, take) in enumerate(work.chunks):
+            seq.num_cached += take
+            if seq.prefill_remaining == 0:
+                self.scheduler.prefill_done(seq)
+                ready.append((row, seq))
+        if not ready:
+            return []
+        seqs = [s for _, s in ready]
+        if len(ready) < len(work.chunks):
+            logits = logits[torch.tensor([r for r, _ in ready], device=logits.device)]
+        ids, logprobs = sample(logits, self._sampling_rows(seqs))
+        for seq in seqs:
+            seq.pending += 1
+        return self._emit(seqs, *Inflight.launch(seqs, ids, logprobs, self._readback[2]).read())
+
+    def _sampling_rows(self, seqs) -> SamplingRows:
+        return SamplingRows(
+            temperature=[s.params.temperature for s in seqs],
+            top_k=[s.params.top_k for s in seqs],
+            top_p=[s.params.top_p for s in seqs],
+            repetition_penalty=[s.params.repetition_penalty for s in seqs],
+            seeds=[s.seed for s in seqs],
+            positions=[len(s.output_ids) + s.pending for s in seqs],
+            history=[s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs],
+            want_logprobs=any(s.params.logprobs for s in seqs),
+        )
+
+    def _emit(self, seqs, token_ids, token_logprobs) -> list[tuple[Sequence, object]]:
+        """Apply read-back tokens; sequences that ended meanwhile (an abort, or a stop found in
+        the step before) drop theirs."""
+        for seq in seqs:
+            seq.pending -= 1
+        live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+        now = time.monotonic()
+        deltas = self._detokenize([seqs[i] for i in live], [token_ids[i] for i in live])
+        events = []
+        for i, delta in zip(live, deltas):
+            seq = seqs[i]
+            logprob = token_logprobs[i] if token_logprobs is not None and seq.params.logprobs else None
+            events.extend(self._append_token(seq, token_ids[i], logprob, delta, now))
+        return events
+
+    def _detokenize(self, seqs, token_ids) -> list[str]:
+        live = [i for i, (s, t) in enumerate(zip(seqs, token_ids)) if not self._is_eos(s, t)]
+        texts = step_all([seqs[i].detokenizer for i in live], [token_ids[i] for i in live], self.tokenizer)
+        deltas = [""] * len(seqs)
+        for i, text in zip(live, texts):
+            deltas[i] = text
+        return deltas
+
+    def _is_eos(self, seq: Sequence, token: int) -> bool:
+        return token in self.eos_ids and not seq.params.ignore_eos
+
+    def _append_token(self, seq: Sequence, token: int, logprob, delta: str, now: float):
+        seq.output_ids.append(token)
+        if seq.first_token is None:
+            seq.first_token = now
+        is_eos = self._is_eos(seq, token)
+        special = token in self.special_ids
+        seq.text += delta
+        release, stopped = seq.stop_matcher.scan(seq.text, seq.emitted, len(delta))
+        reason = None
+        if is_eos:
+            reason = "eos"
+        elif stopped:
+            reason = "stop"
+            seq.text = seq.text[:release]
+        elif len(seq.output_ids) >= seq.params.max_new_tokens or seq.length >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            release = len(seq.text)                # nothing is held back once the text is final
+        out = seq.text[seq.emitted:release]
+        seq.emitted = release
+        events = [(seq, TokenEvent(token, out, logprob, special, now))]
+        if reason is not None:
+            events.append((seq, self._finish(seq, reason)))
+        return events
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> FinishEvent:
+        self._unqueue(seq)
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        now = time.monotonic()
+        timings = {"queue": (seq.first_scheduled or now) - seq.arrival,
+                   "ttft": (seq.first_token - seq.arrival) if seq.first_token else None,
+                   "total": now - seq.arrival}
+        return FinishEvent(reason, seq.text, len(seq.prompt_ids), len(seq.output_ids), error, timings)
+
+    def fail_all(self, message: str) -> None:
+        seqs = list(itertools.chain(self.scheduler.running, self.scheduler.waiting))
+        events = []
+        for seq in seqs:
+            try:
+                events.append((seq, self._finish(seq, "error", message)))
+            except Exception:
+                log.exception("could not release %s", seq.request_id)
+        self._publish(events)
+
+
+
+def _drain(inbox, block: bool) -> list:
+    messages = []
+    try:
+        messages.append(inbox.get(timeout=IDLE_POLL_S) if block else inbox.get_nowait())
+        while True:
+            messages.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    return messages
