@@ -10,7 +10,7 @@ is needed (or must grow), which is refused during graph capture.
 
 import torch
 
-from . import build
+from . import build, planner
 from .paging import SUPPORTED_BLOCK_SIZE_RULE, supported_block_size
 from .workspace import Workspace
 
@@ -22,7 +22,7 @@ HEADS_PER_BLOCK = 16
 MERGE_LAST_BLOCK = 0    # the last split block of each (sequence, KV head) merges, in the same launch
 MERGE_KERNEL = 1        # a second small kernel
 MERGE_KERNEL_PDL = 2    # the second kernel with programmatic dependent launch
-DEFAULT_MERGE = MERGE_LAST_BLOCK   # chosen by measurement, see NOTES.md
+DEFAULT_MERGE = MERGE_KERNEL_PDL   # chosen by measurement, see NOTES.md
 
 _ready_devices: set[int] = set()
 _default_workspaces: dict[tuple, Workspace] = {}
@@ -49,7 +49,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("flashdecode::flash_decode")
     def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits,
-                           partial_out, partial_lse, merge_counters, merge_mode=0):
+                           partial_out, partial_lse, merge_counters, merge_mode=2, min_chunk=256):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("flashdecode::write_kv")
@@ -57,6 +57,11 @@ def _register_fakes() -> None:
         return None
 
     _fakes_registered = True
+
+
+def _misaligned(t: torch.Tensor) -> bool:
+    # While torch.compile traces there is no data pointer; the C++ op checks alignment at run time.
+    return not torch.compiler.is_compiling() and t.data_ptr() % 16 != 0
 
 
 def _check_cache(k_cache, v_cache, device, name="k_cache/v_cache"):
@@ -69,7 +74,7 @@ def _check_cache(k_cache, v_cache, device, name="k_cache/v_cache"):
         raise ValueError("k_cache and v_cache must be contiguous")
     if k_cache.device != device or v_cache.device != device:
         raise ValueError(f"the caches are on {k_cache.device}/{v_cache.device}, expected {device}")
-    if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
+    if _misaligned(k_cache) or _misaligned(v_cache):
         raise ValueError("the caches must be 16-byte aligned")
 
 
@@ -81,7 +86,7 @@ def _validate_decode(q, k_cache, v_cache, block_table, seq_lens):
     batch, num_q_heads, head_dim = q.shape
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} is not supported by the CUDA kernel (supported: 64, 128)")
-    if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
+    if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or _misaligned(q):
         raise ValueError("q needs a contiguous last dim and 16-byte aligned rows (call q.contiguous())")
     _check_cache(k_cache, v_cache, q.device)
     if k_cache.dtype != q.dtype:
@@ -123,7 +128,7 @@ def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_se
 
 
 def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None,
-                      merge_mode=None):
+                      merge_mode=None, min_chunk=None):
     """``kernels.flash_decode`` for CUDA tensors; see ``kernels/__init__.py`` for the contract."""
     batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
                                                                                seq_lens)
@@ -146,9 +151,10 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
         raise ValueError("workspace.merge_counters is too small for this batch and head layout")
     scale = head_dim ** -0.5 if scale is None else float(scale)
     mode = DEFAULT_MERGE if merge_mode is None else int(merge_mode)
+    chunk = planner.MIN_CHUNK if min_chunk is None else int(min_chunk)
     return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, splits,
                                               workspace.partial_out, workspace.partial_lse,
-                                              workspace.merge_counters, mode)
+                                              workspace.merge_counters, mode, chunk)
 
 
 def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):
@@ -165,12 +171,13 @@ def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):
         raise ValueError("key, value and slot_mapping must be on the caches' device")
     if (head_dim * k_cache.element_size()) % 16:
         raise ValueError(f"head_dim {head_dim} x {k_cache.element_size()} bytes is not a multiple of 16 bytes")
-    key, value = (_rows_aligned(t.to(k_cache.dtype)) for t in (key, value))
+    key = _rows_aligned(key.to(k_cache.dtype))
+    value = _rows_aligned(value.to(k_cache.dtype))
     load(key.device)
     torch.ops.flashdecode.write_kv(k_cache, v_cache, key, value, slot_mapping.contiguous())
 
 
 def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
     size = t.element_size()
-    ok = t.stride(2) == 1 and (t.stride(0) * size) % 16 == 0 and (t.stride(1) * size) % 16 == 0 and t.data_ptr() % 16 == 0
+    ok = t.stride(2) == 1 and (t.stride(0) * size) % 16 == 0 and (t.stride(1) * size) % 16 == 0 and not _misaligned(t)
     return t if ok else t.contiguous()

@@ -12,11 +12,11 @@ import torch
 
 # Tokens per cache block unless the engine says otherwise (chosen by measurement: kernels/NOTES.md).
 DEFAULT_BLOCK_SIZE = 32
-SUPPORTED_BLOCK_SIZE_RULE = "the CUDA kernel needs a multiple of 16 that divides 64 or is a multiple of 64"
+SUPPORTED_BLOCK_SIZE_RULE = "the CUDA kernel needs 16, 32, 64 or a multiple of 128"
 
 
 def supported_block_size(block_size: int) -> bool:
-    return block_size > 0 and block_size % 16 == 0 and (64 % block_size == 0 or block_size % 64 == 0)
+    return block_size > 0 and block_size % 16 == 0 and (128 % block_size == 0 or block_size % 128 == 0)
 
 
 def cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int) -> tuple[int, ...]:

@@ -8,18 +8,36 @@ same plan is valid for every step replayed from one CUDA graph. Each sequence th
 own length evenly among those splits on the device; splits that start past its end are empty.
 """
 
-MIN_CHUNK = 64          # the kernel's tile: a split never gets fewer tokens than this
-WAVES = 2               # thread blocks per SM the plan fills: the CUDA kernel keeps two resident
+MIN_CHUNK = 256         # a split never gets fewer tokens (on the device too): fewer cost more to merge
+RESIDENT_PER_SM = 2     # the CUDA kernel keeps two blocks per SM
+FILL = 0.95             # a plan must keep at least this share of the SMs (or block slots) busy
+TAIL_MIN_CHUNK = 8192   # splitting only to even out the last wave pays where splits keep this many tokens
 
 
 def max_splits_for(max_seq_len: int, cap: int = 128) -> int:
     return max(1, min(cap, -(-max_seq_len // MIN_CHUNK)))
 
 
+def wave_fill(blocks: int, slots: int) -> float:
+    """Busy share of the block slots, averaged over the waves, when ``blocks`` equal blocks run."""
+    return blocks / (slots * -(-blocks // slots))
+
+
 def plan_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_seq_len: int, cap: int = 128) -> int:
+    """Splits per (sequence, KV head), as measured best on the H200 (kernels/NOTES.md): one even
+    wave of one block per SM, else of two; else, for long sequences, the fewest splits whose blocks
+    fill whole waves; else one."""
     if batch < 1 or num_kv_heads < 1:
         raise ValueError("batch and num_kv_heads must be positive")
     work_items = batch * num_kv_heads
-    # Round down: one more block than the resident slots would start a second, nearly empty wave.
-    wanted = WAVES * num_sms // work_items
-    return max(1, min(wanted, max_splits_for(max_seq_len, cap)))
+    limit = max_splits_for(max_seq_len, cap)
+    for per_sm in range(1, RESIDENT_PER_SM + 1):
+        splits = per_sm * num_sms // work_items
+        if splits >= 1 and work_items * splits >= FILL * per_sm * num_sms:
+            return min(splits, limit)
+    slots = RESIDENT_PER_SM * num_sms
+    tail_limit = max(1, min(limit, max_seq_len // TAIL_MIN_CHUNK))
+    for splits in range(1, tail_limit + 1):
+        if wave_fill(work_items * splits, slots) >= FILL:
+            return splits
+    return 1

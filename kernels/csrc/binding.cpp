@@ -22,7 +22,7 @@ void check_cuda(const at::Tensor& t, const char* name, const at::Device& device)
 at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t num_splits,
                         at::Tensor& partial_out, at::Tensor& partial_lse, at::Tensor& merge_counters,
-                        int64_t merge_mode) {
+                        int64_t merge_mode, int64_t min_chunk) {
   const auto device = q.device();
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_table, "block_table"},
                          {&seq_lens, "seq_lens"}, {&partial_out, "partial_out"}, {&partial_lse, "partial_lse"},
@@ -39,7 +39,7 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128, got ", d);
   TORCH_CHECK(k_cache.size(3) == d, "cache head_dim ", k_cache.size(3), " != q head_dim ", d);
   TORCH_CHECK(hkv >= 1 && hq % hkv == 0, "num_q_heads ", hq, " is not a multiple of num_kv_heads ", hkv);
-  TORCH_CHECK(bs % 16 == 0 && (64 % bs == 0 || bs % 64 == 0), "unsupported block_size ", bs);
+  TORCH_CHECK(bs % 16 == 0 && (128 % bs == 0 || bs % 128 == 0), "unsupported block_size ", bs);
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.size(0) == batch &&
                   block_table.stride(1) == 1,
               "block_table must be int32 [B, max_blocks] with unit column stride");
@@ -64,6 +64,7 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                 "merge_counters must be int32 with >= B * Hkv * ceil(G / 16) zeros");
   }
   TORCH_CHECK(merge_mode >= 0 && merge_mode <= 2, "merge_mode must be 0, 1 or 2");
+  TORCH_CHECK(min_chunk >= 1 && min_chunk <= (1 << 30), "min_chunk must be positive");
 
   c10::cuda::CUDAGuard guard(device);
   at::Tensor out = at::empty({batch, hq, d}, q.options());
@@ -91,6 +92,7 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   p.scale = static_cast<float>(scale);
   p.dtype = q.scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kHalf;
   p.merge_mode = static_cast<int>(merge_mode);
+  p.min_chunk = static_cast<int>(min_chunk);
   const cudaError_t err = launch_flash_decode(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_decode launch failed: ", cudaGetErrorString(err));
   return out;
@@ -148,7 +150,7 @@ TORCH_LIBRARY(flashdecode, m) {
   m.def(
       "flash_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
       "int num_splits, Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) merge_counters, "
-      "int merge_mode=0) -> Tensor");
+      "int merge_mode=2, int min_chunk=256) -> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
 }
 

@@ -1,11 +1,12 @@
 // Paged, GQA-aware split-KV flash decoding for Hopper (sm_90), plus the KV-cache write.
 //
 // Grid (num_splits, Hkv * ceil(G / 16), B). A block serves up to 16 query heads of one KV head
-// over one split of one sequence. A producer warp streams the split's K/V tiles (64 tokens;
-// each page's per-head rows are contiguous, so one cp.async.bulk per page) into a ring of
-// shared-memory stages guarded by mbarriers. Four consumer warps each own 16 tokens of a tile:
-// S = Q K^T and O += P V on the tensor cores (m16n8k16, fp32 accumulation) with an online
-// softmax per warp; the warps' states are combined at the end of the split.
+// over one split of one sequence. A producer warp streams the split's K/V tiles (32 KB: 64 tokens
+// at D=128, 128 at D=64; each page's per-head rows are contiguous, so one cp.async.bulk per page)
+// into a ring of shared-memory stages guarded by mbarriers. Each consumer warp owns 16 tokens of a
+// tile: S = Q K^T and O += P V on the tensor cores (m16n8k16, fp32 accumulation) with an online
+// softmax per warp; the warps' states are combined at the end of the split. With more than one
+// split, the partials go to the workspace and a merge (a second kernel by default) combines them.
 //
 // Fragment trick: reading K and V rows with one 16-byte load per thread avoids ldmatrix bank
 // conflicts on the unpadded tiles. The head dimension is the reduction of S = Q K^T, so K's
@@ -24,22 +25,24 @@
 namespace flashdecode {
 namespace {
 
-constexpr int kTile = 64;                          // tokens per pipeline stage
 constexpr int kWarpTokens = 16;                    // tokens per consumer warp per tile
-constexpr int kConsumerWarps = kTile / kWarpTokens;
-constexpr int kProducerWarp = kConsumerWarps;
-constexpr int kThreads = (kConsumerWarps + 1) * 32;
 constexpr int kRows = kHeadsPerBlock;
-constexpr int kStageBudget = 96 * 1024;            // two blocks per SM
+constexpr int kStageBytes = 32 * 1024;             // one tile of K and V
+constexpr int kStages = 3;                         // 96 KB: two blocks per SM (6 stages alone measured slower)
 constexpr int kMergeThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -__builtin_huge_valf();
 
+// A tile is 32 KB of K+V: 128 tokens for D=64 (8 consumer warps), 64 for D=128 (4 warps). With
+// D=64, four warps' serial softmax chains could not keep up with the SM's share of bandwidth.
 template <int D>
 struct Shape {
-  static constexpr int kStageBytes = 2 * kTile * D * 2;         // K and V, 2-byte elements
-  static constexpr int kStages = kStageBudget / kStageBytes;     // 6 for D=64, 3 for D=128
+  static constexpr int kTile = 8192 / D;                         // tokens per pipeline stage
+  static constexpr int kConsumerWarps = kTile / kWarpTokens;
+  static constexpr int kProducerWarp = kConsumerWarps;
+  static constexpr int kThreads = (kConsumerWarps + 1) * 32;
+  static_assert(2 * kTile * D * 2 == kStageBytes, "a tile of K and V fills one stage");
   static constexpr int kSmemBytes = kStages * kStageBytes;
   static constexpr int kGroups = D / 32;                         // 16-byte loads per row per thread
   static constexpr int kOStride = D + 4;                         // padded fp32 row, epilogue
@@ -157,7 +160,9 @@ struct Work {
   int len, start, end;
 };
 
+template <int D>
 __device__ __forceinline__ Work block_work(const DecodeParams& p) {
+  constexpr int kTile = Shape<D>::kTile;
   Work w;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int head_tiles = (group + kRows - 1) / kRows;
@@ -166,7 +171,7 @@ __device__ __forceinline__ Work block_work(const DecodeParams& p) {
   w.q_head0 = w.kv_head * group + (blockIdx.y % head_tiles) * kRows;
   w.rows = min(kRows, (w.kv_head + 1) * group - w.q_head0);
   w.len = min(p.seq_lens[w.b], p.max_blocks * p.block_size);
-  int chunk = (max(w.len, 0) + gridDim.x - 1) / gridDim.x;
+  int chunk = max((max(w.len, 0) + gridDim.x - 1) / gridDim.x, p.min_chunk);
   chunk = (chunk + kTile - 1) / kTile * kTile;
   w.start = blockIdx.x * chunk;
   w.end = min(w.start + chunk, w.len);
@@ -184,34 +189,56 @@ __device__ void merge_rows(const DecodeParams& p, int b, int q_head0, int rows, 
   float* weights = smem;
   float4* partial = reinterpret_cast<float4*>(smem + kRows * kMaxSplits);
   const float* lse = p.partial_lse + (int64_t)b * splits * hq + q_head0;
+  for (int i = threadIdx.x; i < rows * splits; i += blockDim.x)
+    weights[(i % rows) * splits + i / rows] = __ldcg(lse + (int64_t)(i / rows) * hq + i % rows);
+  __syncthreads();
 
   for (int row = warp; row < rows; row += warps) {
+    float* w = weights + row * splits;
     float mx = kNegInf;
-    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldcg(lse + (int64_t)s * hq + row));
+    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, w[s]);
 #pragma unroll
     for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     float sum = 0.f;
     if (mx != kNegInf)
-      for (int s = lane; s < splits; s += 32) sum += __expf(__ldcg(lse + (int64_t)s * hq + row) - mx);
+      for (int s = lane; s < splits; s += 32) sum += __expf(w[s] - mx);
 #pragma unroll
     for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     const float total = mx == kNegInf ? kNegInf : mx + __logf(sum);
-    for (int s = lane; s < splits; s += 32) {
-      const float l = __ldcg(lse + (int64_t)s * hq + row);
-      weights[row * splits + s] = (total == kNegInf || l == kNegInf) ? 0.f : __expf(l - total);
-    }
+    __syncwarp();
+    for (int s = lane; s < splits; s += 32) w[s] = (total == kNegInf || w[s] == kNegInf) ? 0.f : __expf(w[s] - total);
   }
   __syncthreads();
 
   constexpr int kCols = D / 4;
   const int items = rows * kCols;
-  const int slices = max(1, (int)blockDim.x / items);
   const int tid = threadIdx.x;
+  const int64_t split_stride = (int64_t)hq * D;
+  if (items >= (int)blockDim.x) {  // enough columns for every thread: no split slicing
+    for (int item = tid; item < items; item += blockDim.x) {
+      const int row = item / kCols, col = item % kCols;
+      const float* src = p.partial_out + ((int64_t)b * splits * hq + q_head0 + row) * D + col * 4;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+      for (int s = 0; s < splits; ++s) {
+        const float w = weights[row * splits + s];
+        if (w > 0.f) {
+          const float4 v = __ldcg(reinterpret_cast<const float4*>(src + s * split_stride));
+          acc.x += w * v.x;
+          acc.y += w * v.y;
+          acc.z += w * v.z;
+          acc.w += w * v.w;
+        }
+      }
+      store4(static_cast<T*>(p.out) + ((int64_t)b * hq + q_head0 + row) * D + col * 4, acc);
+    }
+    return;
+  }
+  const int slices = blockDim.x / items;
   if (tid < items * slices) {
     const int item = tid % items, slice = tid / items;
     const int row = item / kCols, col = item % kCols;
     const float* src = p.partial_out + ((int64_t)b * splits * hq + q_head0 + row) * D + col * 4;
-    const int64_t split_stride = (int64_t)hq * D;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
     for (int s = slice; s < splits; s += slices) {
@@ -254,6 +281,7 @@ template <typename T, int D>
 __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, int n_tiles, T* stages,
                                         uint64_t* full, uint64_t* empty) {
   using S = Shape<D>;
+  constexpr int kTile = S::kTile;
   const int lane = threadIdx.x % 32;
   const int bs = p.block_size;
   const bool small_pages = bs <= kTile;
@@ -272,8 +300,8 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   int cur = fetch(base + lane), next = fetch(base + 32 + lane);
 
   for (int i = 0; i < n_tiles; ++i) {
-    const int stage = i % S::kStages;
-    if (i >= S::kStages) mbar_wait(&empty[stage], ((i / S::kStages) - 1) & 1);
+    const int stage = i % kStages;
+    if (i >= kStages) mbar_wait(&empty[stage], ((i / kStages) - 1) & 1);
     const int t0 = w.start + i * kTile;
     const int page0 = t0 / bs;
     if (page0 - base >= 32) {
@@ -308,6 +336,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
                                         uint64_t* full, uint64_t* empty, float (&o)[D / 32][4][4], float& m_lo,
                                         float& m_hi, float& l_lo, float& l_hi) {
   using S = Shape<D>;
+  constexpr int kTile = S::kTile;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, qd = lane % 4;
   const T* q = static_cast<const T*>(p.q) + w.b * p.q_stride_b;
@@ -323,9 +352,9 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
   const float scale_log2 = p.scale * kLog2e;
 
   for (int i = 0; i < n_tiles; ++i) {
-    const int stage = i % S::kStages;
+    const int stage = i % kStages;
     const int t_warp = w.start + i * kTile + warp * kWarpTokens;
-    mbar_wait(&full[stage], (i / S::kStages) & 1);
+    mbar_wait(&full[stage], (i / kStages) & 1);
     const T* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * kWarpTokens * D;
     const T* v_tile = k_tile + kTile * D;
     if (t_warp >= w.end) {
@@ -402,26 +431,30 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 2) split_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const DecodeParams p) {
   using S = Shape<D>;
+  constexpr int kTile = S::kTile, kConsumerWarps = S::kConsumerWarps, kThreads = S::kThreads;
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ uint64_t full[S::kStages], empty[S::kStages];
+  __shared__ uint64_t full[kStages], empty[kStages];
   __shared__ float warp_max[kConsumerWarps][kRows], warp_sum[kConsumerWarps][kRows];
   __shared__ float row_lse[kRows];
   __shared__ int is_last;
 
-  const Work w = block_work(p);
+  // Lets a merge kernel launched with programmatic dependent launch get its blocks resident now;
+  // they wait (griddepcontrol.wait) until this whole grid has finished and flushed.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const Work w = block_work<D>(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, qd = lane % 4;
   const int splits = gridDim.x, hq = p.num_q_heads;
-  const bool consumer = warp != kProducerWarp;
+  const bool consumer = warp != S::kProducerWarp;
   T* stages = reinterpret_cast<T*>(smem);
   float* o_smem = reinterpret_cast<float*>(smem);
 
   if (w.start < w.end) {
     const int n_tiles = (w.end - w.start + kTile - 1) / kTile;
     if (threadIdx.x == 0) {
-      for (int s = 0; s < S::kStages; ++s) {
+      for (int s = 0; s < kStages; ++s) {
         mbar_init(&full[s], 1);
         mbar_init(&empty[s], kConsumerWarps);
       }
@@ -526,7 +559,8 @@ cudaError_t launch_typed(const DecodeParams& p, cudaStream_t stream) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device < 64 && !(__atomic_load_n(&configured_devices, __ATOMIC_ACQUIRE) & (1ull << device))) {
+  if (device >= 64) return cudaErrorInvalidDevice;
+  if (!(__atomic_load_n(&configured_devices, __ATOMIC_ACQUIRE) & (1ull << device))) {
     err = cudaFuncSetAttribute(split_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
     if (err != cudaSuccess) return err;
     __atomic_fetch_or(&configured_devices, 1ull << device, __ATOMIC_RELEASE);
@@ -534,7 +568,7 @@ cudaError_t launch_typed(const DecodeParams& p, cudaStream_t stream) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const int head_tiles = (group + kRows - 1) / kRows;
   const dim3 grid(p.num_splits, p.num_kv_heads * head_tiles, p.batch);
-  split_kernel<T, D><<<grid, kThreads, S::kSmemBytes, stream>>>(p);
+  split_kernel<T, D><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess || p.num_splits == 1 || p.merge_mode == kMergeLastBlock) return err;
 

@@ -29,6 +29,7 @@ struct DecodeParams {
   float* partial_lse;             // [>= B * num_splits, Hq]
   int32_t* merge_counters;        // [>= B * Hkv * ceil(G / 16)], all zero between calls
   int batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_blocks, num_splits;
+  int min_chunk;                  // fewest tokens a non-empty split gets (then rounded up to a tile)
   float scale;
   DType dtype;
   int merge_mode;

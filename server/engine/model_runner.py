@@ -41,6 +41,9 @@ class ModelRunner:
         self.num_layers = cfg.num_hidden_layers
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
 
+        if self.device.type == "cuda":
+            from kernels import ops
+            ops.load(self.device)              # build before any compile or capture traces the op
         self.workspace = kernels.Workspace(self.max_batch, self.num_q_heads, self.head_dim, max_model_len,
                                            self.device, num_kv_heads=self.num_kv_heads)
         self.num_blocks = config.num_blocks or self._blocks_from_memory(config)

@@ -1,0 +1,273 @@
+"""Kernel benchmark: ``python -m kernels.bench [--out DIR] [--sweep]``.
+
+For each shape (Hq/Hkv/D), batch and length of the grid (bf16), times our paged flash decode
+and PyTorch SDPA's cuDNN and flash backends on contiguous ``[B, Hkv, M, D]`` KV with
+``enable_gqa=True``. Every implementation is timed the same way: CUDA-graph replay of at least
+20 calls that rotate over enough input sets to stream well past the 60 MB L2, median over
+replays, per call. Writes ``bench.json`` and ``bench.png`` under ``--out`` and prints a Markdown
+table plus the geometric means the targets name. ``--sweep`` also times other split counts,
+the three merge modes and other block sizes (tuning data, in the JSON and a short table).
+"""
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import ops, planner
+from .paging import DEFAULT_BLOCK_SIZE, pack_paged
+from .workspace import Workspace
+
+SHAPES = ((9, 3, 64), (32, 8, 128))
+BATCHES = (1, 8, 64)
+LENGTHS = (512, 4096, 32768, 131072)
+PEAK_BYTES_PER_S = 4.5e12
+MAX_KV_BYTES = 20e9
+ROTATE_BYTES = 256e6
+MIN_CALLS_PER_GRAPH = 20
+PEERS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+SWEEP_BLOCK_SIZES = (16, 32, 64, 128)
+SWEEP_BLOCK_CASES = {((9, 3, 64), 1, 32768), ((9, 3, 64), 64, 4096), ((32, 8, 128), 1, 4096),
+                     ((32, 8, 128), 8, 32768)}
+
+
+def kv_bytes(batch, num_kv_heads, seq_len, head_dim, elem=2):
+    return 2 * batch * num_kv_heads * seq_len * head_dim * elem
+
+
+def time_per_call_us(calls, target_s=0.15):
+    """Median GPU time per call of ``calls`` (rotated) replayed from one CUDA graph."""
+    n = max(MIN_CALLS_PER_GRAPH, len(calls))
+    n = -(-n // len(calls)) * len(calls)
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            calls[i % len(calls)]()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    reps = max(5, min(60, int(target_s * 1e3 / max(start.elapsed_time(end), 1e-3))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for e0, e1 in events:
+        e0.record()
+        graph.replay()
+        e1.record()
+    torch.cuda.synchronize()
+    per_call = statistics.median(e0.elapsed_time(e1) for e0, e1 in events) * 1e3 / n
+    del graph
+    return per_call
+
+
+class Case:
+    def __init__(self, shape, batch, seq_len, block_size, device):
+        self.shape, self.batch, self.seq_len = shape, batch, seq_len
+        num_q, num_kv, dim = shape
+        self.bytes = kv_bytes(batch, num_kv, seq_len, dim)
+        self.num_sets = max(1, min(64, math.ceil(ROTATE_BYTES / self.bytes)))
+        self.dense, self.paged = [], {}
+        for _ in range(self.num_sets):
+            q = torch.randn(batch, num_q, dim, device=device, dtype=torch.bfloat16)
+            k = torch.randn(batch, num_kv, seq_len, dim, device=device, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            self.dense.append((q, k, v))
+        self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
+        self.workspace = Workspace(batch, num_q, dim, seq_len, device, num_kv_heads=num_kv)
+        self.block_size = block_size
+        self.paged[block_size] = self._pack(block_size)
+
+    def _pack(self, block_size):
+        return [(q, *pack_paged(k, v, block_size)) for q, k, v in self.dense]
+
+    def paged_sets(self, block_size):
+        if block_size not in self.paged:
+            self.paged[block_size] = self._pack(block_size)
+        return self.paged[block_size]
+
+    def ours(self, block_size=None, num_splits=None, merge_mode=None, buffers=None, min_chunk=None):
+        ws = self.workspace if buffers is None else buffers
+
+        def make(q, kc, vc, bt):
+            if buffers is None:
+                return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=ws,
+                                                     num_splits=num_splits, merge_mode=merge_mode)
+            return lambda: torch.ops.flashdecode.flash_decode(
+                q, kc, vc, bt, self.seq_lens, q.shape[-1] ** -0.5, num_splits, ws.partial_out, ws.partial_lse,
+                ws.merge_counters, ops.DEFAULT_MERGE if merge_mode is None else merge_mode,
+                planner.MIN_CHUNK if min_chunk is None else min_chunk)
+        return [make(*s) for s in self.paged_sets(block_size or self.block_size)]
+
+    def peer(self, backend):
+        def make(q, k, v):
+            q4 = q.unsqueeze(2)
+
+            def call():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+            return call
+        return [make(*s) for s in self.dense]
+
+
+class SweepBuffers:
+    """Workspace-shaped buffers with room for any split count up to ops.MAX_SPLITS."""
+
+    def __init__(self, batch, num_q_heads, head_dim, device):
+        rows = batch * ops.MAX_SPLITS
+        self.partial_out = torch.empty(rows, num_q_heads, head_dim, dtype=torch.float32, device=device)
+        self.partial_lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=device)
+        self.merge_counters = torch.zeros(batch * num_q_heads, dtype=torch.int32, device=device)
+
+
+def try_time(calls):
+    try:
+        return time_per_call_us(calls)
+    except RuntimeError as err:  # a backend that refuses this shape
+        print(f"    (skipped: {str(err).splitlines()[0][:100]})")
+        torch.cuda.synchronize()
+        return None
+
+
+def sweep_case(case, device):
+    num_q, num_kv, dim = case.shape
+    planned = case.workspace.num_splits(case.batch)
+    buffers = SweepBuffers(case.batch, num_q, dim, device)
+    cap = min(ops.MAX_SPLITS, planner.max_splits_for(case.seq_len, ops.MAX_SPLITS))
+    candidates = sorted({max(1, planned // 2), planned, min(cap, planned * 3 // 2), min(cap, 2 * planned),
+                         min(cap, 3 * planned)})
+    result = {"planned_splits": planned, "splits_us": {}, "merge_us": {}, "block_size_us": {}, "min_chunk_us": {}}
+    for splits in candidates:
+        result["splits_us"][splits] = try_time(case.ours(num_splits=splits, buffers=buffers))
+    if planned > 1:
+        for mode in (ops.MERGE_LAST_BLOCK, ops.MERGE_KERNEL, ops.MERGE_KERNEL_PDL):
+            result["merge_us"][mode] = try_time(case.ours(num_splits=planned, merge_mode=mode, buffers=buffers))
+        for chunk in (64, 128, 512):
+            result["min_chunk_us"][chunk] = try_time(case.ours(num_splits=planned, min_chunk=chunk, buffers=buffers))
+    if (case.shape, case.batch, case.seq_len) in SWEEP_BLOCK_CASES:
+        for bs in SWEEP_BLOCK_SIZES:
+            result["block_size_us"][bs] = try_time(case.ours(block_size=bs))
+    return result
+
+
+def geomean(values):
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def summarize(rows):
+    lines = ["| shape | B | M | KV MB | ours us | cuDNN us | FA us | ours GB/s | % of 4.5 TB/s | ratio to best peer |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['seq_len']} | {r['kv_mb']:.1f} | {fmt(r['ours_us'])} | "
+                     f"{fmt(r['cudnn_us'])} | {fmt(r['flash_us'])} | {fmt(r['ours_gbps'], '.0f')} | "
+                     f"{fmt(r['pct_peak'])} | {fmt(r['ratio_best'], '.2f')} |")
+    big = [r for r in rows if r["kv_mb"] >= 200]
+    mid = [r for r in rows if 3 <= r["kv_mb"] <= 130]
+    targets = {
+        "min % of 4.5 TB/s, KV >= 200 MB (target >= 90)": min((r["pct_peak"] for r in big), default=None),
+        "geomean speedup over cuDNN, KV 3-130 MB (target >= 1.25)":
+            geomean([r["cudnn_us"] / r["ours_us"] for r in mid if r["cudnn_us"]]),
+        "geomean speedup over best SDPA, all (target >= 1.1)": geomean([r["ratio_best"] for r in rows]),
+        "min ratio to best SDPA, all (target >= 0.95)": min((r["ratio_best"] for r in rows if r["ratio_best"]),
+                                                           default=None),
+    }
+    lines.append("")
+    lines += [f"{name}: {fmt(value, '.3f')}" for name, value in targets.items()]
+    return "\n".join(lines), targets
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shapes = sorted({r["shape"] for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        sel = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["kv_mb"])
+        for key, label in (("ours_us", "ours (paged split-KV)"), ("cudnn_us", "SDPA cuDNN"), ("flash_us", "SDPA flash")):
+            pts = [(r["kv_mb"], r["kv_mb"] * 1e6 / r[key] / 1e3) for r in sel if r[key]]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.axhline(PEAK_BYTES_PER_S / 1e9, color="gray", linestyle="--", label="4.5 TB/s")
+        ax.set_xscale("log")
+        ax.set_xlabel("KV size (MB)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"decode attention, Hq/Hkv/D = {shape}, bf16")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--sweep", action="store_true", help="also time split counts, merge modes, block sizes")
+    parser.add_argument("--quick", action="store_true", help="only the first length of each shape and batch")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    ops.load(device)
+    torch.manual_seed(0)
+    rows, sweeps = [], []
+    meta = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "block_size": args.block_size,
+            "min_chunk": planner.MIN_CHUNK, "resident_per_sm": planner.RESIDENT_PER_SM, "default_merge": ops.DEFAULT_MERGE}
+
+    def save(targets=None):  # after every case, so a run cut short still leaves its numbers
+        (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": targets,
+                                                    "sweeps": sweeps}, indent=1))
+    for shape in SHAPES:
+        for batch in BATCHES:
+            for seq_len in LENGTHS[:1] if args.quick else LENGTHS:
+                nbytes = kv_bytes(batch, shape[1], seq_len, shape[2])
+                if nbytes > MAX_KV_BYTES:
+                    continue
+                label = "/".join(map(str, shape))
+                case = Case(shape, batch, seq_len, args.block_size, device)
+                row = {"shape": label, "batch": batch, "seq_len": seq_len, "kv_mb": nbytes / 1e6,
+                       "num_sets": case.num_sets, "num_splits": case.workspace.num_splits(batch),
+                       "ours_us": try_time(case.ours())}
+                for name, backend in PEERS.items():
+                    row[f"{name}_us"] = try_time(case.peer(backend))
+                peers = [row[f"{n}_us"] for n in PEERS if row[f"{n}_us"]]
+                ours = row["ours_us"]
+                row["ours_gbps"] = nbytes / ours / 1e3 if ours else None
+                row["pct_peak"] = 100 * nbytes / (ours * 1e-6) / PEAK_BYTES_PER_S if ours else None
+                row["floor_us"] = nbytes / PEAK_BYTES_PER_S * 1e6
+                row["ratio_best"] = min(peers) / ours if ours and peers else None
+                print(f"{label} B={batch} M={seq_len}: ours {fmt(ours)} us (S={row['num_splits']}), "
+                      f"cuDNN {fmt(row['cudnn_us'])}, FA {fmt(row['flash_us'])}", flush=True)
+                if args.sweep:
+                    sweep = sweep_case(case, device)
+                    sweep.update(shape=label, batch=batch, seq_len=seq_len, kv_mb=row["kv_mb"])
+                    sweeps.append(sweep)
+                    short = {k: {n: round(t, 1) for n, t in v.items() if t} for k, v in sweep.items()
+                             if k.endswith("_us")}
+                    print(f"    S={sweep['planned_splits']} {short}", flush=True)
+                rows.append(row)
+                del case
+                torch.cuda.empty_cache()
+                save()
+    table, targets = summarize(rows)
+    save(targets)
+    plot(rows, out / "bench.png")
+    print()
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""The CUDA flash-decoding op against a float64 oracle (GPU only).
+
+Criterion (FlashAttention's): the kernel's max error against float64 attention is at most twice
+that of plain PyTorch attention computed in the same low precision; never NaN. Inputs are fresh
+random each run (the seed is printed on failure); cache rows past each sequence's end and unused
+blocks hold NaN, and the output and workspace are poisoned with NaN before each call.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+import kernels
+from kernels import ops
+from kernels.paging import DEFAULT_BLOCK_SIZE
+from kernels.reference import gather_dense, reference_decode, reference_write_kv
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SEED = int.from_bytes(os.urandom(4), "little")
+DEVICE = torch.device("cuda")
+BLOCK_SIZES = sorted({16, 32, DEFAULT_BLOCK_SIZE})
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    seed = (SEED + hash(request.node.name)) % 2**31
+    torch.manual_seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    return seed
+
+
+def make_paged(lengths, num_kv_heads, head_dim, block_size, dtype, spare_blocks=3):
+    """A random paged cache whose rows past each sequence's end, and unused blocks, are NaN."""
+    lengths = [int(n) for n in lengths]
+    batch = len(lengths)
+    per_seq = [math.ceil(n / block_size) for n in lengths]
+    num_blocks = sum(per_seq) + spare_blocks
+    max_blocks = max(per_seq) + 2
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache = torch.randn(shape, device=DEVICE, dtype=dtype)
+    v_cache = torch.randn(shape, device=DEVICE, dtype=dtype)
+    table = torch.full((batch, max_blocks), 2**30, dtype=torch.int32)   # past the end: never read
+    order = torch.randperm(num_blocks).tolist()
+    valid = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    used = 0
+    for b, (n, blocks) in enumerate(zip(lengths, per_seq)):
+        ids = order[used:used + blocks]
+        used += blocks
+        table[b, :blocks] = torch.tensor(ids, dtype=torch.int32)
+        for i, block in enumerate(ids):
+            valid[block, :min(block_size, n - i * block_size)] = True
+    invalid = (~valid).to(DEVICE).view(num_blocks, 1, block_size, 1)
+    k_cache.masked_fill_(invalid, float("nan"))
+    v_cache.masked_fill_(invalid, float("nan"))
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    return k_cache, v_cache, table.to(DEVICE), seq_lens
+
+
+def oracle(q, k_cache, v_cache, table, seq_lens, scale):
+    """float64 attention (the repo's reference with one split)."""
+    k64, v64 = (c.double().nan_to_num(0.0) for c in (k_cache, v_cache))
+    return reference_decode(q.double(), k64, v64, table, seq_lens, scale=scale, num_splits=1)
+
+
+def plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale):
+    """Plain PyTorch attention in the input dtype (scores, softmax and P V all low precision)."""
+    width = int(seq_lens.max())
+    k = gather_dense(k_cache.nan_to_num(0.0), table, width)
+    v = gather_dense(v_cache.nan_to_num(0.0), table, width)
+    batch, num_q, dim = q.shape
+    num_kv = k.shape[1]
+    qg = q.view(batch, num_kv, num_q // num_kv, dim)
+    scores = torch.einsum("bhgd,bhnd->bhgn", qg, k) * scale
+    mask = torch.arange(width, device=q.device).view(1, 1, 1, width) >= seq_lens.view(batch, 1, 1, 1)
+    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(q.dtype)
+    return torch.einsum("bhgn,bhnd->bhgd", probs, v).reshape(batch, num_q, dim)
+
+
+def poison(workspace, out_shape, dtype):
+    workspace.partial_out.fill_(float("nan"))
+    workspace.partial_lse.fill_(float("nan"))
+    # The next allocation of this size reuses the block: an output element left unwritten shows as NaN.
+    torch.full(out_shape, float("nan"), device=DEVICE, dtype=dtype)
+
+
+def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, num_splits=None, workspace=None,
+                         seed=None, min_chunk=None):
+    k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, head_dim, block_size, dtype)
+    batch = len(lengths)
+    q = torch.randn(batch, num_q, head_dim, device=DEVICE, dtype=dtype)
+    scale = head_dim ** -0.5
+    if workspace is None:
+        workspace = kernels.Workspace(batch, num_q, head_dim, table.shape[1] * block_size, DEVICE,
+                                      num_kv_heads=num_kv)
+    poison(workspace, q.shape, dtype)
+    if min_chunk is None:
+        out = kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace,
+                                   num_splits=num_splits)
+    else:  # smaller device-side chunks than the default: more non-empty splits to merge
+        out = ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace,
+                                    num_splits=num_splits, min_chunk=min_chunk)
+    ref = oracle(q, k_cache, v_cache, table, seq_lens, scale)
+    plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale)
+    err = (out.double() - ref).abs().max().item()
+    plain_err = (plain.double() - ref).abs().max().item()
+    splits = num_splits or workspace.num_splits(batch)
+    info = f"seed={seed} lengths={lengths[:8]}... splits={splits} err={err:.3g} plain={plain_err:.3g}"
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.isfinite(out).all(), "NaN/inf in output: " + info
+    assert err <= 2 * plain_err + 1e-6, info
+    return out
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_float64(dtype, head_dim, group, block_size, fresh_seed):
+    num_kv = 2
+    lengths = [1, 65, block_size - 1, block_size + 1] + torch.randint(1, 3000, (3,)).tolist()
+    check_against_oracle(lengths, group * num_kv, num_kv, head_dim, block_size, dtype, seed=fresh_seed)
+
+
+@pytest.mark.parametrize("min_chunk", [None, 1])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64, 129, 255, 256])
+@pytest.mark.parametrize("length", [1, 100, 4097, 20000])
+def test_every_split_count_single_sequence(num_splits, length, min_chunk, fresh_seed):
+    ws = kernels.Workspace(1, 8, 128, length + 64, DEVICE, num_kv_heads=2, max_splits=256)
+    check_against_oracle([length], 8, 2, 128, 32, torch.bfloat16, num_splits=num_splits, workspace=ws,
+                         seed=fresh_seed, min_chunk=min_chunk)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16, 33])
+def test_split_counts_ragged_batch(num_splits, fresh_seed):
+    lengths = [1, 2, 63, 64, 65, 1000, 4095, 9999]
+    # A workspace planned for up to 8 * num_splits sequences has room for 8 x num_splits rows.
+    ws = kernels.Workspace(8 * num_splits, 12, 64, 10240, DEVICE, num_kv_heads=4, max_splits=64)
+    check_against_oracle(lengths, 12, 4, 64, 16, torch.float16, num_splits=num_splits, workspace=ws, seed=fresh_seed,
+                         min_chunk=1)
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64, 256])
+def test_ragged_batches(batch, fresh_seed):
+    lengths = torch.randint(1, 2049, (batch,)).tolist()
+    lengths[0] = 1
+    check_against_oracle(lengths, 8, 2, 128, DEFAULT_BLOCK_SIZE, torch.bfloat16, seed=fresh_seed)
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])
+def test_long_sequences(shape, fresh_seed):
+    num_q, num_kv, dim = shape
+    check_against_oracle([131072, 77777], num_q, num_kv, dim, DEFAULT_BLOCK_SIZE, torch.bfloat16, seed=fresh_seed)
+
+
+@pytest.mark.parametrize("num_q,num_kv", [(20, 1), (64, 2)])
+def test_groups_larger_than_one_block(num_q, num_kv, fresh_seed):
+    check_against_oracle([5, 700, 3333], num_q, num_kv, 64, 64, torch.bfloat16, seed=fresh_seed)
+
+
+@pytest.mark.parametrize("block_size", [64, 128, 256, 384])
+def test_large_blocks(block_size, fresh_seed):
+    check_against_oracle([1, 130, 5000], 8, 2, 128, block_size, torch.float16, seed=fresh_seed)
+
+
+def test_merge_modes_agree_bitwise():
+    k_cache, v_cache, table, seq_lens = make_paged([3000, 17, 1], 2, 128, 32, torch.bfloat16)
+    q = torch.randn(3, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    ws = kernels.Workspace(3, 8, 128, 4096, DEVICE, num_kv_heads=2)
+    outs = [ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, num_splits=12, merge_mode=m,
+                                  min_chunk=1)
+            for m in (ops.MERGE_LAST_BLOCK, ops.MERGE_KERNEL, ops.MERGE_KERNEL_PDL, ops.MERGE_LAST_BLOCK)]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    assert torch.count_nonzero(ws.merge_counters) == 0
+
+
+def test_graph_replay_equals_eager():
+    batch, num_q, num_kv, dim, bs = 6, 9, 3, 64, 16
+    k_cache, v_cache, table, seq_lens = make_paged([4000] * batch, num_kv, dim, bs, torch.bfloat16)
+    ws = kernels.Workspace(batch, num_q, dim, table.shape[1] * bs, DEVICE, num_kv_heads=num_kv)
+    q = torch.randn(batch, num_q, dim, device=DEVICE, dtype=torch.bfloat16)
+    key = torch.randn(batch, num_kv, dim, device=DEVICE, dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    slots = torch.zeros(batch, dtype=torch.int64, device=DEVICE)
+
+    def step():
+        kernels.write_kv(k_cache, v_cache, key, value, slots)
+        return kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, workspace=ws)
+
+    def new_inputs(round_):
+        lens = torch.randint(1, 3999, (batch,), dtype=torch.int32)
+        lens[-1] = 1
+        seq_lens.copy_(lens)
+        positions = (lens - 1).long().to(DEVICE)
+        slot = table.gather(1, (positions // bs).view(-1, 1)).view(-1).long() * bs + positions % bs
+        slot[round_ % batch] = -1                            # a padded row writes nothing
+        slots.copy_(slot)
+        q.copy_(torch.randn_like(q))
+        key.copy_(torch.randn_like(key))
+        value.copy_(torch.randn_like(value))
+
+    new_inputs(0)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()                                               # warm up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for round_ in range(1, 4):
+        new_inputs(round_)
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        static_out.fill_(float("nan"))
+        ws.partial_out.fill_(float("nan"))
+        graph.replay()
+        replayed, k_after, v_after = static_out.clone(), k_cache.clone(), v_cache.clone()
+        k_cache.copy_(k_before)
+        v_cache.copy_(v_before)
+        eager = step()
+        assert torch.equal(replayed, eager)
+        assert torch.equal(k_after.nan_to_num(7.0), k_cache.nan_to_num(7.0))
+        assert torch.equal(v_after.nan_to_num(7.0), v_cache.nan_to_num(7.0))
+        assert torch.isfinite(replayed).all()
+        ref = oracle(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
+        plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
+        assert (replayed.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128)])
+def test_write_kv_matches_reference(dtype, head_dim, slot_dtype):
+    num_blocks, num_kv, bs, tokens = 40, 3, 16, 50
+    k_cache = torch.randn(num_blocks, num_kv, bs, head_dim, device=DEVICE, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    fused = torch.randn(tokens, 2 * num_kv + 1, head_dim, device=DEVICE, dtype=dtype)
+    key, value = fused[:, :num_kv], fused[:, num_kv + 1:]      # strided views, as from a fused projection
+    slots = torch.randperm(num_blocks * bs)[:tokens].to(slot_dtype)
+    slots[::7] = -1
+    slots = slots.to(DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference_write_kv(k_ref, v_ref, key, value, slots)
+    kernels.write_kv(k_cache, v_cache, key, value, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_rejects_unsupported_inputs():
+    k_cache, v_cache, table, seq_lens = make_paged([10, 20], 2, 64, 16, torch.bfloat16)
+    q = torch.randn(2, 4, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim"):
+        kc = torch.zeros(4, 2, 16, 96, device=DEVICE, dtype=torch.bfloat16)
+        kernels.flash_decode(torch.zeros(2, 4, 96, device=DEVICE, dtype=torch.bfloat16), kc, kc.clone(), table,
+                             seq_lens)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        kernels.flash_decode(q.float(), k_cache.float(), v_cache.float(), table, seq_lens)
+    with pytest.raises(ValueError, match="int32"):
+        kernels.flash_decode(q, k_cache, v_cache, table.long(), seq_lens)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        kernels.flash_decode(q[:, :3], k_cache, v_cache, table, seq_lens)
+    with pytest.raises(ValueError, match="block_size"):
+        kc = torch.zeros(4, 2, 24, 64, device=DEVICE, dtype=torch.bfloat16)
+        kernels.flash_decode(q, kc, kc.clone(), table, seq_lens)
+
+
+def test_no_host_sync_and_no_allocation_but_output():
+    k_cache, v_cache, table, seq_lens = make_paged([300, 5000], 2, 128, 32, torch.bfloat16)
+    q = torch.randn(2, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    ws = kernels.Workspace(2, 8, 128, table.shape[1] * 32, DEVICE, num_kv_heads=2)
+    kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, workspace=ws)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, workspace=ws)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] - before == 1
+    assert torch.isfinite(out).all()
+
+
+def test_default_workspace_matches_explicit():
+    k_cache, v_cache, table, seq_lens = make_paged([1, 900, 3000], 2, 64, 32, torch.float16)
+    q = torch.randn(3, 6, 64, device=DEVICE, dtype=torch.float16)
+    out = kernels.flash_decode(q, k_cache, v_cache, table, seq_lens)
+    ws = kernels.Workspace(3, 6, 64, table.shape[1] * 32, DEVICE, num_kv_heads=2)
+    assert torch.equal(out, kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, workspace=ws))
+
+
+def test_torch_compile_sees_one_op():
+    import torch._dynamo
+    k_cache, v_cache, table, seq_lens = make_paged([700, 33], 2, 64, 16, torch.bfloat16)
+    ws = kernels.Workspace(2, 8, 64, table.shape[1] * 16, DEVICE, num_kv_heads=2)
+    q = torch.randn(2, 8, 64, device=DEVICE, dtype=torch.bfloat16)
+    key = torch.randn(2, 2, 64, device=DEVICE, dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    slots = torch.tensor([699, -1], dtype=torch.int64, device=DEVICE)
+    slots[0] = table[0, 699 // 16].long() * 16 + 699 % 16
+
+    def step(q, k_cache, v_cache, key, value):
+        kernels.write_kv(k_cache, v_cache, key, value, slots)
+        return kernels.flash_decode(q * 1.0, k_cache, v_cache, table, seq_lens, workspace=ws)
+
+    k_eager, v_eager = k_cache.clone(), v_cache.clone()
+    eager = step(q, k_eager, v_eager, key, value)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)(q, k_cache, v_cache, key, value)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(k_cache.nan_to_num(7.0), k_eager.nan_to_num(7.0))
