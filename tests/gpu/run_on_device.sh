@@ -23,7 +23,7 @@ stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 stamp "building the kernel"
-python3 -c "import kernels.build as b; b.load_extension()" 2>&1 | tail -5 | tee "$OUT/build.log"
+python3 -c "from kernels import ops; ops.load()" 2>&1 | tail -5 | tee "$OUT/build.log"
 
 if want tests; then
   stamp "GPU tests"
@@ -37,7 +37,7 @@ fi
 if want engine-bench; then
   stamp "engine benchmark"
   timeout 420 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m \
-      --batch 1 16 64 256 --long-batch 1 8 --hf default static --repeats 1 \
+      --batch 1 16 64 256 --long-batch 1 8 --hf default --repeats 1 \
       --out "$OUT/engine_bench.json" 2>&1 | tee "$OUT/engine_bench.log" | grep -v '^{' | tail -30
 fi
 if want compile; then
