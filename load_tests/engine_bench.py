@@ -10,7 +10,6 @@ the whole batch (prefill included), as vLLM's offline throughput benchmark does.
 """
 
 import argparse
-import asyncio
 import copy
 import json
 import logging
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 from models import load_model
-from server.engine import Engine, EngineConfig, FinishEvent, SamplingParams
+from server.engine import EngineConfig, EngineCore, FinishEvent, SamplingParams
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -34,21 +33,18 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_ours(engine: Engine, prompts, new_tokens: int) -> float:
+def run_ours(core: EngineCore, prompts, new_tokens: int) -> float:
+    """Drives the engine core directly, as an offline batch job: no event loop in the way."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-
-    async def one(prompt):
-        async for event in engine.add_request(prompt, params):
-            if isinstance(event, FinishEvent):
-                assert event.completion_tokens == new_tokens, event
-                return
-
-    async def main():
-        await asyncio.gather(*(one(p) for p in prompts))
-
+    finished = []
+    core.publish = lambda pairs, stats: finished.extend(e for _, e in pairs if isinstance(e, FinishEvent))
     started = time.perf_counter()
-    asyncio.run(main())
-    return time.perf_counter() - started
+    for i, prompt in enumerate(prompts):
+        core.add(f"bench-{i}", prompt, params, seed=i)
+    core.run_until_idle()
+    elapsed = time.perf_counter() - started
+    assert len(finished) == len(prompts) and all(e.completion_tokens == new_tokens for e in finished), finished[:3]
+    return elapsed
 
 
 def run_hf(model, prompts, new_tokens: int, mode: str) -> float:
@@ -91,6 +87,8 @@ def main(argv=None):
     ap.add_argument("--long-new-tokens", type=int, default=128)
     ap.add_argument("--hf", nargs="*", default=["default"], choices=["default", "static"],
                     help="transformers generate settings to run beside ours")
+    ap.add_argument("--hf-long", nargs="*", default=None, choices=["default", "static"],
+                    help="transformers settings for the long-context rows (default: as --hf)")
     ap.add_argument("--hf-max-batch", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-blocks", type=int, default=None)
@@ -103,25 +101,25 @@ def main(argv=None):
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     device = loaded.device
     vocab = loaded.config.vocab_size
-    cases = [(b, args.prompt_len, args.new_tokens) for b in args.batch]
-    cases += [(b, args.long_prompt_len, args.long_new_tokens) for b in args.long_batch]
-    longest = max(p + n for _, p, n in cases)
-    config = EngineConfig(max_batch=max(b for b, _, _ in cases), max_model_len=max(longest, 1024),
+    long_modes = args.hf if args.hf_long is None else args.hf_long
+    cases = [(b, args.prompt_len, args.new_tokens, args.hf) for b in args.batch]
+    cases += [(b, args.long_prompt_len, args.long_new_tokens, long_modes) for b in args.long_batch]
+    longest = max(p + n for _, p, n, _ in cases)
+    config = EngineConfig(max_batch=max(b for b, _, _, _ in cases), max_model_len=max(longest, 1024),
                           max_prefill_tokens=8192, num_blocks=args.num_blocks,
                           gpu_memory_fraction=0.45 if args.hf else 0.8,
                           compile=args.compile, cuda_graphs=not args.no_graphs)
-    engine = Engine(loaded, config)
-    engine.start()
+    engine = EngineCore(loaded, config, publish=lambda pairs, stats: None)
     hf_model = None
     if args.hf:
         hf_model = copy.deepcopy(loaded.model)
         hf_model.set_attn_implementation("sdpa")
 
     rows = []
-    for batch, prompt_len, new_tokens in cases:
+    for batch, prompt_len, new_tokens, modes in cases:
         prompts = random_prompts(batch, prompt_len, vocab, seed=batch * 7 + prompt_len)
         runners = {"ours": lambda: run_ours(engine, prompts, new_tokens)}
-        for mode in args.hf:
+        for mode in modes:
             if batch <= args.hf_max_batch:
                 runners[f"hf_{mode}"] = lambda mode=mode: run_hf(hf_model, prompts, new_tokens, mode)
         run_ours(engine, prompts[:1], 4)                                    # warm-up
@@ -140,12 +138,11 @@ def main(argv=None):
         row["ratio_to_best_hf"] = row["ours_tok_per_s"] / best if best else None
         rows.append(row)
         print(json.dumps(row), flush=True)
-    engine.shutdown()
 
     result = {"model": args.model, "device": str(device), "dtype": str(loaded.dtype),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-              "kv_pool_tokens": engine.core.runner.kv_tokens, "graph_buckets": sorted(engine.core.runner.graphs),
-              "capture_s": engine.core.runner.capture_seconds, "ours": rows}
+              "kv_pool_tokens": engine.runner.kv_tokens, "graph_buckets": sorted(engine.runner.graphs),
+              "capture_s": engine.runner.capture_seconds, "ours": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -47,13 +48,14 @@ def _prefill(query, key, value, scale, batch: AttentionBatch, k_cache, v_cache):
             k, v = key[:, :, start:end], value[:, :, start:end]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
+            # A later chunk of a long prompt: its queries see the cached tokens before it, and
+            # causally each other (the causal diagonal aligned to the bottom right).
             total = context + end - start
             table = batch.block_tables[i:i + 1]
-            k = kernels.reference.gather_dense(k_cache, table, total).to(q.dtype)
-            v = kernels.reference.gather_dense(v_cache, table, total).to(q.dtype)
-            rows = torch.arange(end - start, device=q.device).unsqueeze(1) + context
-            mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            group = q.shape[1] // k_cache.shape[1]
+            k = kernels.reference.gather_dense(k_cache, table, total).to(q.dtype).repeat_interleave(group, dim=1)
+            v = kernels.reference.gather_dense(v_cache, table, total).to(q.dtype).repeat_interleave(group, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(end - start, total), scale=scale)
         out[:, start:end] = o.transpose(1, 2)
     return out
 

@@ -123,6 +123,11 @@ class EngineCore:
             self.fail_all(f"{type(exc).__name__}: {exc}")
             raise
 
+    def run_until_idle(self) -> None:
+        """Steps until every request has finished (offline use: benchmarks, batch jobs)."""
+        while self.scheduler.has_work() or self._inflight is not None:
+            self._publish(self.step())
+
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         self.scheduler.add(Sequence(request_id, prompt_ids, params, seed, detok))

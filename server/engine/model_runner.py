@@ -84,9 +84,12 @@ class ModelRunner:
         n, pin = self.max_batch, self.device.type == "cuda"
         # One packed int32 host buffer, one copy per step:
         # ids | source rows | positions | slots | lengths | block table (rows x widest table)
-        self._host = torch.zeros(5 * n + n * self.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
-        self._host_np = self._host.numpy()
-        self._packed = torch.zeros_like(self._host, device=self.device)
+        # Two host buffers taking turns: one is rewritten while the other's copy may be pending.
+        self._hosts = [torch.zeros(5 * n + n * self.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+                       for _ in range(2)]
+        self._copied = [None, None]               # event: that buffer's copy to the device is done
+        self._turn = 0
+        self._packed = torch.zeros_like(self._hosts[0], device=self.device)
         self.input_ids = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
         self.positions = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
         self.slots = torch.full((n,), -1, dtype=torch.int32, device=self.device)
@@ -104,7 +107,11 @@ class ModelRunner:
         (still on the device), or -1 when the host knows the input token."""
         n, bs = self.max_batch, self.block_size
         width = max(len(s.block_table) for s in seqs)
-        h = self._host_np
+        self._turn ^= 1
+        host = self._hosts[self._turn]
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()
+        h = host.numpy()
         ids, src, pos = h[0:rows], h[n:n + rows], h[2 * n:2 * n + rows]
         slots, lens = h[3 * n:3 * n + rows], h[4 * n:4 * n + rows]
         table = h[5 * n:5 * n + rows * width].reshape(rows, width)
@@ -119,7 +126,10 @@ class ModelRunner:
             lens[i] = p + 1
             table[i, :len(s.block_table)] = s.block_table
         count = 5 * n + rows * width
-        self._packed[:count].copy_(self._host[:count], non_blocking=True)
+        self._packed[:count].copy_(host[:count], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[self._turn] = torch.cuda.Event()
+            self._copied[self._turn].record()
         d = self._packed
         from_device = d[n:n + rows]
         self.input_ids[:rows, 0] = torch.where(from_device >= 0, self.sampled[from_device.clamp(min=0)], d[0:rows])

@@ -27,7 +27,7 @@ python3 -c "from kernels import ops; ops.load()" 2>&1 | tail -5 | tee "$OUT/buil
 
 if want tests; then
   stamp "GPU tests"
-  timeout 420 python3 -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout 200 python3 -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
   summary+=("gpu tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/gpu_tests.log" | tail -1)")
 fi
 if want kernel-bench; then
@@ -37,7 +37,7 @@ fi
 if want engine-bench; then
   stamp "engine benchmark"
   timeout 420 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m \
-      --batch 1 16 64 256 --long-batch 1 8 --hf default --repeats 1 \
+      --batch 1 16 64 256 --long-batch 1 8 --hf default static --hf-long default --repeats 1 \
       --out "$OUT/engine_bench.json" 2>&1 | tee "$OUT/engine_bench.log" | grep -v '^{' | tail -30
 fi
 if want compile; then
