@@ -4,10 +4,13 @@ Each backend turns a prompt into (path, JSON body) and turns the list of ``data:
 server-sent-event stream, each stamped with the time it arrived, into a ``Parsed`` record. Parsing
 happens after the stream ends, so the timed loop only splits lines and stamps them.
 
-Counting follows vLLM's serving benchmark: every streamed chunk that carries a generated token is one
-token (its text may be empty while a multi-byte character or a possible stop sequence is held back);
-the server's own count (OpenAI ``usage.completion_tokens``, TGI ``details.generated_tokens``) is kept
-beside it so a run can check that the two agree.
+Timing follows vLLM's serving benchmark: TTFT is the arrival of the first chunk that carries generated
+text, ITL the gaps between such chunks. Counting: a TGI stream has one event per token (its text may be
+empty while a multi-byte character is incomplete), so the count is exact. An OpenAI stream may leave
+out tokens whose text is empty and send their text with a later chunk; with ``logprobs`` requested,
+each chunk lists its tokens and the count is exact again, otherwise the number of chunks is a lower
+bound. The server's own count (``usage.completion_tokens``, ``details.generated_tokens``) is kept
+beside it, so a run can check the two and uses the server's count for throughput, as vLLM does.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Parsed:
-    token_times: list[float] = field(default_factory=list)   # arrival time of each token chunk
+    token_times: list[float] = field(default_factory=list)   # arrival time of each chunk with tokens
+    tokens: int = 0                                           # tokens those chunks carried
     text: str = ""
     completion_tokens: int | None = None                      # the server's count, where it gave one
     prompt_tokens: int | None = None
@@ -32,12 +36,18 @@ class Backend:
     needs_model = False
 
     def __init__(self, *, model: str | None = None, ignore_eos: bool = True, temperature: float = 0.0,
-                 path: str | None = None):
+                 path: str | None = None, logprobs: bool = False):
         self.model = model
         self.ignore_eos = ignore_eos
         self.temperature = temperature
+        self.logprobs = logprobs
         if path:
             self.path = path
+
+    @property
+    def exact_count(self) -> bool:
+        """Whether the streamed token count must equal the server's count."""
+        return True
 
     def body(self, prompt: str, max_tokens: int) -> dict:
         raise NotImplementedError
@@ -84,6 +94,7 @@ class TGIBackend(Backend):
         details = obj.get("details")
         if token is not None:
             out.token_times.append(t)
+            out.tokens += 1
             if not token.get("special"):
                 out.text += token.get("text") or ""
         if details:
@@ -93,8 +104,9 @@ class TGIBackend(Backend):
                 # A server that already sent its last token may close with an empty special
                 # placeholder that it does not count: that event ends the stream, it is no token.
                 if (token is not None and token.get("special") and not token.get("text")
-                        and len(out.token_times) == out.completion_tokens + 1):
+                        and out.tokens == out.completion_tokens + 1):
                     out.token_times.pop()
+                    out.tokens -= 1
             for key in ("input_length", "prompt_tokens"):
                 if details.get(key) is not None:
                     out.prompt_tokens = int(details[key])
@@ -108,17 +120,27 @@ class OpenAICompletionsBackend(Backend):
     path = "/v1/completions"
     needs_model = True
 
+    @property
+    def exact_count(self) -> bool:
+        return self.logprobs
+
     def body(self, prompt: str, max_tokens: int) -> dict:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": self.temperature, "stream": True,
                 "stream_options": {"include_usage": True}}
         if self.ignore_eos:
             body["ignore_eos"] = True          # vLLM's extra field; this project's server takes it too
+        if self.logprobs:
+            body["logprobs"] = 1
         return body
 
     @staticmethod
     def _piece(choice: dict) -> str | None:
         return choice.get("text")
+
+    @staticmethod
+    def _logprob_tokens(choice: dict) -> int:
+        return len((choice.get("logprobs") or {}).get("tokens") or [])
 
     def _event(self, obj: dict, t: float, out: Parsed) -> None:
         choices = obj.get("choices") or []
@@ -126,11 +148,16 @@ class OpenAICompletionsBackend(Backend):
             choice = choices[0]
             piece = self._piece(choice)
             finish = choice.get("finish_reason")
-            # A chunk with text is a token; an empty one is a token whose text is held back, unless
-            # it only closes the stream (finish_reason set) or only announces the role (chat).
-            if piece or (piece == "" and finish is None):
+            if self.logprobs:
+                n = self._logprob_tokens(choice)
+            else:
+                # A chunk with text carries a token; so does an empty one while its text is held
+                # back, unless it only closes the stream (finish_reason) or announces the role (chat).
+                n = 1 if piece or (piece == "" and finish is None) else 0
+            if n:
                 out.token_times.append(t)
-                out.text += piece
+                out.tokens += n
+                out.text += piece or ""
             if finish is not None:
                 out.finish_reason = finish
         usage = obj.get("usage")
@@ -151,7 +178,13 @@ class OpenAIChatBackend(OpenAICompletionsBackend):
         body = super().body(prompt, max_tokens)
         del body["prompt"]
         body["messages"] = [{"role": "user", "content": prompt}]
+        if self.logprobs:
+            body["logprobs"] = True
         return body
+
+    @staticmethod
+    def _logprob_tokens(choice: dict) -> int:
+        return len((choice.get("logprobs") or {}).get("content") or [])
 
     @staticmethod
     def _piece(choice: dict) -> str | None:

@@ -12,13 +12,20 @@ request throughput, output tokens/s and goodput under SLOs. Two modes:
 
 Results go to ``--out-dir``: ``results.json``, ``report.md`` (also printed) and PNG plots.
 ``--engine-json`` puts the offline engine benchmark's tokens/s beside each concurrency (rows
-``{"batch", "tok_per_s"}`` under ``"ours"``) with the ratio HTTP / engine.
+``{"batch", "tok_per_s"}`` under ``"ours"``, as ``load_tests/engine_bench.py --out`` writes them;
+rows naming other prompt or output lengths are left out) with the ratio HTTP / engine.
 
-The whole item-2 sweep on a GPU host, server started and stopped by the tool:
+The HTTP-against-engine sweep on a GPU host, the server started and stopped by the tool:
 
+    python -m load_tests.engine_bench --device cuda --model random:smollm2-135m \\
+        --batch 1 16 64 256 --prompt-len 128 --new-tokens 256 --out results/engine.json
     python -m load_tests.loadgen --serve "--model random:smollm2-135m --device cuda" \\
-        --concurrency 1,16,64,256 --input-len 128 --output-len 256 \\
-        --engine-json results/engine_bench.json --out-dir results/h200
+        --concurrency 1,16,64,256 --input-len 128 --output-len 256 --workers 4 \\
+        --engine-json results/engine.json --out-dir results/h200 --strict
+
+One client process streams some 10-20 thousand tokens/s before its own CPU becomes the limit (the
+report's "client CPU" column shows it, and a warning says so): ``--workers N`` spreads each level
+over N processes.
 
 Every run is bounded: a fixed number of requests per level, ``--max-duration`` per level and
 ``--request-timeout`` per request. Targets other than loopback addresses need ``--allow-remote``.
@@ -34,6 +41,7 @@ import logging
 import math
 import os
 import platform
+import queue
 import random
 import socket
 import subprocess
@@ -93,7 +101,8 @@ async def send_request(client: httpx.AsyncClient, backend: Backend, url: str, pr
 
     parsed = backend.parse(events)
     result.latency = t_end - t0
-    result.tokens_counted = len(parsed.token_times)
+    result.tokens_counted = parsed.tokens
+    result.chunks = len(parsed.token_times)
     result.tokens_reported = parsed.completion_tokens
     result.prompt_tokens_reported = parsed.prompt_tokens
     result.finish_reason = parsed.finish_reason
@@ -105,6 +114,8 @@ async def send_request(client: httpx.AsyncClient, backend: Backend, url: str, pr
         result.error = parsed.error
     elif not parsed.token_times:
         result.error = "the stream ended without a token"
+    elif parsed.finish_reason is None:
+        result.error = "the stream ended without a finish reason (cut off)"
     else:
         result.ok = True
     return result
@@ -155,32 +166,31 @@ def _progress(total: int, desc: str, enabled: bool):
                 dynamic_ncols=True)
 
 
-async def run_level(level: Level, backend: Backend, base_url: str, prompts: list[tuple[str, int]],
-                    max_tokens: int, headers: dict, *, request_timeout: float, max_duration: float,
-                    seed: int, progress: bool) -> tuple[list[RequestResult], float, float]:
-    """Run ``prompts`` at one level. Returns (results, duration in s, client CPU in cores)."""
+async def _run_share(level: Level, backend: Backend, base_url: str, prompts: list[tuple[str, int]],
+                     max_tokens: int, headers: dict, *, request_timeout: float, max_duration: float,
+                     seed: int, start_at: float, on_done=None) -> tuple[list[RequestResult], float, float]:
+    """One process's share of a level, starting at ``start_at`` (a ``time.perf_counter()`` value,
+    the same clock in every process). Returns (results, end time, CPU seconds used)."""
     url = base_url.rstrip("/") + backend.path
-    width = level.concurrency or level.max_concurrency or len(prompts)
+    width = max(1, level.concurrency or level.max_concurrency or len(prompts))
     limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
     timeout = httpx.Timeout(request_timeout, connect=min(30.0, request_timeout))
     results: list[RequestResult] = []
-    bar = _progress(len(prompts), level.label, progress)
-    cpu0 = time.process_time()
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
-        t_level = time.perf_counter()
-        deadline = t_level + max_duration
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        cpu0 = time.process_time()
+        deadline = start_at + max_duration
 
         async def one(prompt: str, plen: int) -> None:
-            r = await send_request(client, backend, url, prompt, plen, max_tokens, headers, t_level)
-            results.append(r)
-            if bar is not None:
-                bar.update(1)
+            results.append(await send_request(client, backend, url, prompt, plen, max_tokens, headers, start_at))
+            if on_done is not None:
+                on_done()
 
         if level.mode == "concurrency":
-            queue = iter(prompts)
+            todo = iter(prompts)
 
             async def worker() -> None:
-                for prompt, plen in queue:
+                for prompt, plen in todo:
                     if time.perf_counter() >= deadline:
                         break
                     await one(prompt, plen)
@@ -197,9 +207,10 @@ async def run_level(level: Level, backend: Backend, base_url: str, prompts: list
 
             tasks = []
             gaps = arrival_gaps(len(prompts), level.request_rate, level.burstiness, random.Random(seed))
-            next_at = time.perf_counter()
-            for (prompt, plen), gap in zip(prompts, gaps):
-                next_at += gap
+            next_at = start_at
+            for i, (prompt, plen) in enumerate(prompts):
+                if i:
+                    next_at += gaps[i - 1]
                 delay = next_at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -207,11 +218,84 @@ async def run_level(level: Level, backend: Backend, base_url: str, prompts: list
                     break
                 tasks.append(asyncio.create_task(limited(prompt, plen)))
             await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t_level
-    cpu = (time.process_time() - cpu0) / duration if duration > 0 else math.nan
+        t_end = time.perf_counter()
+        cpu = time.process_time() - cpu0
+    return results, t_end, cpu
+
+
+def _share_in_process(kwargs: dict, channel, start, progress: bool):
+    """Entry point of a worker process (``--workers``): say it is ready, wait for the common start
+    time, run its share, and report each finished request when there is a progress bar."""
+    channel.put("ready")
+    while not start.value:
+        time.sleep(0.002)
+    on_done = (lambda: channel.put(1)) if progress else None
+    return asyncio.run(_run_share(**kwargs, start_at=start.value, on_done=on_done))
+
+
+def split_level(level: Level, workers: int) -> list[Level]:
+    """The level as ``workers`` smaller ones whose sum is the whole: concurrency (or the cap on
+    requests in flight) divided as evenly as possible, the request rate divided equally (the sum
+    of independent Poisson processes is the Poisson process of the summed rate)."""
+    def parts(total: int) -> list[int]:
+        return [total // workers + (1 if i < total % workers else 0) for i in range(workers)]
+
+    if level.mode == "concurrency":
+        return [Level("concurrency", concurrency=c) for c in parts(level.concurrency)]
+    caps = parts(level.max_concurrency) if level.max_concurrency else [None] * workers
+    return [Level("rate", request_rate=level.request_rate / workers, burstiness=level.burstiness,
+                  max_concurrency=cap) for cap in caps]
+
+
+def run_level(level: Level, backend: Backend, base_url: str, prompts: list[tuple[str, int]],
+              max_tokens: int, headers: dict, *, request_timeout: float, max_duration: float,
+              seed: int, progress: bool, workers: int = 1) -> tuple[list[RequestResult], float, float]:
+    """Run ``prompts`` at one level, in this process or spread over ``workers`` processes (one
+    Python process streams some 10-20 thousand tokens/s before its own CPU limits the numbers).
+    Returns (results, duration in s, client CPU in cores)."""
+    workers = max(1, min(workers, level.concurrency or level.max_concurrency or workers, len(prompts)))
+    bar = _progress(len(prompts), level.label, progress)
+    common = dict(backend=backend, base_url=base_url, max_tokens=max_tokens, headers=headers,
+                  request_timeout=request_timeout, max_duration=max_duration)
+    if workers == 1:
+        start_at = time.perf_counter()
+        results, t_end, cpu = asyncio.run(_run_share(
+            level, prompts=prompts, seed=seed, start_at=start_at, **common,
+            on_done=(lambda: bar.update(1)) if bar is not None else None))
+        shares = [(results, t_end, cpu)]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Manager() as manager, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            channel, start = manager.Queue(), manager.Value("d", 0.0)
+            futures = [pool.submit(_share_in_process, dict(level=part, prompts=prompts[i::workers],
+                                                           seed=seed * 1000 + i, **common),
+                                   channel, start, bar is not None)
+                       for i, part in enumerate(split_level(level, workers))]
+            ready = 0
+            while ready < workers:
+                try:
+                    ready += channel.get(timeout=1.0) == "ready"
+                except queue.Empty:
+                    if any(f.done() for f in futures):
+                        break                # a worker failed before it was ready: its result says why
+            start_at = time.perf_counter() + 0.05
+            start.value = start_at
+            if bar is not None:
+                bar.reset()
+            while bar is not None and not all(f.done() for f in futures):
+                try:
+                    bar.update(channel.get(timeout=0.2))
+                except queue.Empty:
+                    pass
+            shares = [f.result() for f in futures]
     if bar is not None:
         bar.close()
-    results.sort(key=lambda r: r.start)
+    results = sorted((r for share in shares for r in share[0]), key=lambda r: r.start)
+    duration = max(share[1] for share in shares) - start_at
+    cpu = sum(share[2] for share in shares) / duration if duration > 0 else math.nan
     return results, duration, cpu
 
 
@@ -258,9 +342,14 @@ class LaunchedServer:
                 self._stop()
                 raise RuntimeError(f"the server exited with code {self.proc.returncode}:\n{self._tail()}")
             try:
-                if httpx.get(self.base_url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                resp = httpx.get(self.base_url + "/health", timeout=2.0, trust_env=False)
+                if resp.status_code == 200:
                     return self
-            except httpx.HTTPError:
+                error = resp.json().get("error") if resp.status_code == 503 else None
+                if error:                  # loading failed: the server will not become healthy
+                    self._stop()
+                    raise RuntimeError(f"the server failed to start: {error}\n{self._tail()}")
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.5)
         self._stop()
@@ -292,16 +381,29 @@ def fetch_json(base_url: str, path: str, headers: dict) -> dict | None:
         return None
 
 
-def load_engine_rows(path: str | None) -> dict[int, float]:
-    """The offline engine benchmark's tokens/s by batch size: ``{"ours": [{"batch", "tok_per_s"}]}``."""
+def load_engine_rows(path: str | None, input_len: int | None = None, output_len: int | None = None) -> dict[int, float]:
+    """The offline engine benchmark's tokens/s by batch size: ``{"ours": [{"batch", "tok_per_s"}]}``.
+    Rows that name their ``prompt_len`` / ``new_tokens`` count only where those equal this run's
+    lengths (the benchmark also writes long-context rows for the same batch sizes)."""
     if not path:
         return {}
     data = json.loads(Path(path).read_text())
     rows = data.get("ours") if isinstance(data, dict) else None
     if not isinstance(rows, list):
         raise ValueError(f"{path}: expected a list of rows under the key 'ours'")
-    return {int(row["batch"]): float(row["tok_per_s"]) for row in rows
-            if isinstance(row, dict) and "batch" in row and "tok_per_s" in row}
+    out: dict[int, float] = {}
+    skipped = 0
+    for row in rows:
+        if not isinstance(row, dict) or "batch" not in row or "tok_per_s" not in row:
+            continue
+        if ((input_len is not None and row.get("prompt_len", input_len) != input_len)
+                or (output_len is not None and row.get("new_tokens", output_len) != output_len)):
+            skipped += 1
+            continue
+        out.setdefault(int(row["batch"]), float(row["tok_per_s"]))
+    if skipped:
+        log.info("%s: %d rows of other prompt or output lengths are not compared", path, skipped)
+    return out
 
 
 # ----------------------------------------------------------------------------- the run
@@ -348,6 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--max-duration", type=float, default=600.0,
                       help="seconds after which a level sends no new request")
     load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    load.add_argument("--workers", type=int, default=1,
+                      help="client processes sharing each level (one streams some 10-20k tokens/s)")
     load.add_argument("--seed", type=int, default=0)
 
     req = p.add_argument_group("requests")
@@ -358,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                      help="do not send ignore_eos (for servers that reject it; lengths then vary)")
     req.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    req.add_argument("--logprobs", action="store_true",
+                     help="OpenAI backends: ask for logprobs, so that every chunk lists its tokens and the "
+                          "streamed count is exact (costs the server a little)")
     req.add_argument("--tokenizer", default="auto",
                      help="'auto' (the embedded model's, if installed), 'none' (approximate lengths), "
                           "or a tokenizer folder / .gguf file")
@@ -399,15 +506,13 @@ def level_size(level: Level, args) -> int:
     return max(16, 4 * level.concurrency) if level.mode == "concurrency" else 100
 
 
-async def benchmark(args, base_url: str, headers: dict, source: PromptSource, backend: Backend,
-                    levels: list[Level], slos: dict) -> list[dict]:
-    url = base_url.rstrip("/") + backend.path
+def benchmark(args, base_url: str, headers: dict, source: PromptSource, backend: Backend,
+              levels: list[Level], slos: dict) -> list[dict]:
     if args.warmup > 0:
         prompts = source.batch(args.warmup, args.input_len)
-        timeout = httpx.Timeout(args.request_timeout, connect=30.0)
-        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
-            warm = await asyncio.gather(*(send_request(client, backend, url, text, n, args.output_len,
-                                                       headers, time.perf_counter()) for text, n in prompts))
+        warm, _, _ = run_level(Level("concurrency", concurrency=args.warmup), backend, base_url, prompts,
+                               args.output_len, headers, request_timeout=args.request_timeout,
+                               max_duration=args.request_timeout, seed=args.seed, progress=False)
         bad = [r for r in warm if not r.ok]
         if bad:
             hint = " (does the server accept ignore_eos? try --no-ignore-eos)" if bad[0].status in (400, 422) else ""
@@ -419,19 +524,20 @@ async def benchmark(args, base_url: str, headers: dict, source: PromptSource, ba
     out = []
     for i, level in enumerate(levels):
         prompts = source.batch(level_size(level, args), args.input_len, args.input_range)
-        results, duration, cpu = await run_level(
+        results, duration, cpu = run_level(
             level, backend, base_url, prompts, args.output_len, headers,
             request_timeout=args.request_timeout, max_duration=args.max_duration,
-            seed=args.seed + i, progress=not args.no_progress)
-        summary = summarize(results, duration, args.percentiles, slos, expect_exact=args.ignore_eos)
+            seed=args.seed + i, progress=not args.no_progress, workers=args.workers)
+        summary = summarize(results, duration, args.percentiles, slos, expect_length=args.ignore_eos,
+                            exact_count=backend.exact_count)
         summary["client_cpu_cores"] = cpu
         s = summary
         log.info("%s: %d/%d ok in %.1f s, %.1f req/s, %.1f output tok/s, TTFT p50 %.1f ms, ITL p50 %.2f ms",
                  level.label, s["completed"], s["requests"], duration, s["request_throughput"],
                  s["output_throughput"], s["ttft_ms"].get("p50", math.nan), s["itl_ms"].get("p50", math.nan))
-        if cpu > 0.9:
-            log.warning("%s: the load generator used %.0f%% of a core; its own overhead may limit the "
-                        "numbers (run it on another host, or several processes)", level.label, cpu * 100)
+        if cpu > 0.8 * args.workers and duration > 2.0:
+            log.warning("%s: the load generator used %.0f%% of %d core(s); its own overhead may limit the "
+                        "numbers: spread it over more processes (--workers)", level.label, cpu * 100, args.workers)
         out.append({"level": level.to_dict(), "summary": summary, "results": results})
     return out
 
@@ -441,12 +547,11 @@ def run(args) -> int:
 
     levels = make_levels(args)
     slos = parse_slos(args.goodput)
-    engine = load_engine_rows(args.engine_json)
-    if args.input_len < 1 or args.output_len < 1:
-        raise SystemExit("--input-len and --output-len must be >= 1")
+    engine = load_engine_rows(args.engine_json, args.input_len, args.output_len)
+    if args.input_len < 1 or args.output_len < 1 or args.workers < 1:
+        raise SystemExit("--input-len, --output-len and --workers must be >= 1")
 
     out_dir = Path(args.out_dir or f"results/loadgen-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
     server = None
@@ -461,6 +566,7 @@ def run(args) -> int:
     host = urllib.parse.urlsplit(base_url).hostname or ""
     if not args.allow_remote and not is_loopback(host):
         raise SystemExit(f"{host!r} is not a loopback address: pass --allow-remote to load a remote server")
+    out_dir.mkdir(parents=True, exist_ok=True)
 
     t_tok = time.monotonic()
     source = PromptSource(load_tokenizer(args.tokenizer), seed=args.seed)
@@ -479,9 +585,9 @@ def run(args) -> int:
         if backend_cls.needs_model and not model:
             raise SystemExit("no --model given and /v1/models named none")
         backend = backend_cls(model=model, ignore_eos=args.ignore_eos, temperature=args.temperature,
-                              path=args.endpoint)
+                              path=args.endpoint, logprobs=args.logprobs)
         health = fetch_json(base_url, "/health", headers)
-        levels_out = asyncio.run(benchmark(args, base_url, headers, source, backend, levels, slos))
+        levels_out = benchmark(args, base_url, headers, source, backend, levels, slos)
     finally:
         if server is not None:
             server.__exit__(None, None, None)

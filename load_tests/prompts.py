@@ -13,6 +13,7 @@ from a count the server reported.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import random
@@ -144,6 +145,7 @@ def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
         return list(tokenizer.encode(text))
 
 
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(spec: str) -> Tokenizer | None:
     """``none`` -> no tokenizer; ``auto`` -> the embedded default model's tokenizer when the packages
     it needs are installed, else none; anything else -> a Hugging Face tokenizer folder or a .gguf."""

@@ -1,13 +1,11 @@
 """The load generator: its metrics, arrivals, stream parsing and prompts in isolation; whole runs
-against a small fake streaming server (fast, exact expectations); and one run against the real
-server on the embedded model, whose token counts must match what the server reports."""
+against a small fake streaming server (fast, exact expectations); and runs against the real server
+on the embedded model (the shared ``live_server`` fixture of conftest.py), whose token counts must
+match what the server reports."""
 
 import json
 import math
-import os
 import random
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -15,12 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from load_tests import loadgen, report
+from load_tests import loadgen
 from load_tests.backends import OpenAIChatBackend, OpenAICompletionsBackend, TGIBackend
 from load_tests.metrics import RequestResult, parse_slos, percentile, summarize
 from load_tests.prompts import PromptSource
+from tests.conftest import metric_value
 
-ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -47,7 +45,7 @@ def test_summary_follows_the_vllm_definitions():
     results = [_result(0.1, 1.1, 11), _result(0.3, 2.3, 11), _result(0.2, 0.2, 1),
                _result(0.0, 0.5, 0, ok=False)]
     s = summarize(results, duration=4.0, percentiles=[50, 99], slos={"ttft": 250.0, "tpot": 150.0},
-                  expect_exact=True)
+                  expect_length=True)
     assert (s["requests"], s["completed"], s["failed"]) == (4, 3, 1)
     assert s["total_output_tokens"] == 23 and s["total_input_tokens"] == 30
     assert s["request_throughput"] == pytest.approx(3 / 4.0)
@@ -67,8 +65,12 @@ def test_summary_follows_the_vllm_definitions():
 
 def test_token_check_flags_disagreeing_and_short_counts():
     results = [_result(0.1, 1.0, 8), _result(0.1, 1.0, 8, reported=9), _result(0.1, 1.0, 5, max_tokens=8)]
-    check = summarize(results, 1.0, [50], {}, expect_exact=True)["token_check"]
+    check = summarize(results, 1.0, [50], {}, expect_length=True)["token_check"]
     assert check["checked"] == 3 and check["mismatched"] == 1 and check["not_requested_length"] == 2
+    # Where a chunk may carry several tokens, fewer streamed than reported is no mismatch; more is.
+    results.append(_result(0.1, 1.0, 8, reported=7))
+    check = summarize(results, 1.0, [50], {}, expect_length=False, exact_count=False)["token_check"]
+    assert (check["mismatched"], check["multi_token_chunks"], check["not_requested_length"]) == (1, 1, 0)
 
 
 @pytest.mark.parametrize("spec", [["ttft"], ["itl:5"], ["ttft:-1"], ["ttft:fast"]])
@@ -113,7 +115,7 @@ def test_tgi_stream_parsing():
     closing = tok(2, "", special=True) | {"generated_text": "Hi there", "details": {
         "finish_reason": "length", "generated_tokens": 2, "input_length": 7}}
     parsed = TGIBackend().parse(_events(tok(1, "Hi"), tok(2, " there"), closing))
-    assert len(parsed.token_times) == 2 and parsed.completion_tokens == 2
+    assert len(parsed.token_times) == parsed.tokens == 2 and parsed.completion_tokens == 2
 
     parsed = TGIBackend().parse(_events(tok(1, "Hi"), {"error": "generation failed", "error_type": "generation"}))
     assert parsed.error == "generation failed"
@@ -124,7 +126,7 @@ def test_openai_stream_parsing():
     events = _events(chunk("A"), chunk(""), chunk(" b"), chunk("", "length"),
                      {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}})
     parsed = OpenAICompletionsBackend(model="m").parse(events)
-    assert len(parsed.token_times) == 3 and parsed.text == "A b"
+    assert len(parsed.token_times) == parsed.tokens == 3 and parsed.text == "A b"
     assert (parsed.completion_tokens, parsed.prompt_tokens, parsed.finish_reason) == (3, 5, "length")
 
     delta = lambda d, finish=None: {"choices": [{"index": 0, "delta": d, "finish_reason": finish}]}
@@ -132,6 +134,16 @@ def test_openai_stream_parsing():
                      delta({"content": "."}, "stop"), {"choices": [], "usage": {"completion_tokens": 2}})
     parsed = OpenAIChatBackend(model="m").parse(events)
     assert len(parsed.token_times) == 2 and parsed.text == "Paris." and parsed.completion_tokens == 2
+    assert parsed.tokens == 2
+
+    # With logprobs each chunk lists its tokens: a chunk carrying two tokens counts two.
+    lp = lambda text, *tokens, finish=None: {"choices": [{"index": 0, "text": text, "finish_reason": finish,
+                                                          "logprobs": {"tokens": list(tokens)}}]}
+    backend = OpenAICompletionsBackend(model="m", logprobs=True)
+    assert backend.exact_count and not OpenAICompletionsBackend(model="m").exact_count
+    parsed = backend.parse(_events(lp("A", "A"), lp("\u00e9b", "\u00e9", "b"), lp("", finish="length"),
+                                   {"choices": [], "usage": {"completion_tokens": 3}}))
+    assert (parsed.tokens, len(parsed.token_times), parsed.completion_tokens) == (3, 2, 3)
 
     parsed = OpenAICompletionsBackend(model="m").parse(_events({"error": {"message": "too long", "code": 400}}))
     assert parsed.error == "too long"
@@ -146,6 +158,8 @@ def test_request_bodies():
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     assert (body["max_tokens"], body["temperature"], body["ignore_eos"]) == (12, 0.5, True)
     assert OpenAIChatBackend(model="m").body("hi", 3)["messages"] == [{"role": "user", "content": "hi"}]
+    assert OpenAICompletionsBackend(model="m", logprobs=True).body("hi", 3)["logprobs"] == 1
+    assert OpenAIChatBackend(model="m", logprobs=True).body("hi", 3)["logprobs"] is True
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -210,6 +224,14 @@ def test_engine_json_rows(tmp_path):
                                 "peers": {"hf": []}}))
     assert loadgen.load_engine_rows(str(path)) == {1: 300.5, 16: 4000.0}
     assert loadgen.load_engine_rows(None) == {}
+    # As load_tests/engine_bench.py writes them: long-context rows repeat batch sizes.
+    path.write_text(json.dumps({"ours": [
+        {"batch": 1, "prompt_len": 128, "new_tokens": 256, "tok_per_s": 300.0},
+        {"batch": 16, "prompt_len": 128, "new_tokens": 256, "tok_per_s": 4000.0},
+        {"batch": 1, "prompt_len": 32768, "new_tokens": 128, "tok_per_s": 90.0}]}))
+    assert loadgen.load_engine_rows(str(path), 128, 256) == {1: 300.0, 16: 4000.0}
+    assert loadgen.load_engine_rows(str(path), 32768, 128) == {1: 90.0}
+    assert loadgen.load_engine_rows(str(path), 64, 64) == {}
     path.write_text(json.dumps({"rows": []}))
     with pytest.raises(ValueError, match="ours"):
         loadgen.load_engine_rows(str(path))
@@ -234,7 +256,7 @@ def _fake_app(state):
         state["tgi_bodies"].append(body)
 
         async def events():
-            for i in range(n):
+            for i in range(n - 1 if state["cut"] else n):
                 await asyncio.sleep(0.002)
                 event = {"index": i + 1, "token": {"id": i, "text": f" w{i}", "logprob": 0.0, "special": False},
                          "generated_text": None, "details": None}
@@ -274,7 +296,7 @@ def _fake_app(state):
 def fake_server():
     import uvicorn
 
-    state = {"misreport": 0, "tgi_bodies": []}
+    state = {"misreport": 0, "cut": False, "tgi_bodies": []}
     port = loadgen.free_port()
     server = uvicorn.Server(uvicorn.Config(_fake_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -319,8 +341,9 @@ def test_concurrency_sweep_against_a_fake_server(fake_server, tmp_path):
     for lv in doc["levels"]:
         s = lv["summary"]
         assert s["completed"] == 8 and s["failed"] == 0 and s["total_output_tokens"] == 48
-        assert s["token_check"] == {"checked": 8, "not_reported": 0, "mismatched": 0,
-                                    "not_requested_length": 0, "examples": []}
+        check = s["token_check"]
+        assert check["exact"] and check["checked"] == 8 and check["not_reported"] == 0
+        assert check["mismatched"] == check["not_requested_length"] == 0 and check["examples"] == []
         assert len(lv["requests"]) == 8
         assert all(r["tokens_counted"] == r["tokens_reported"] == 6 for r in lv["requests"])
         assert all(len(r["itl"]) == 5 and r["ttft"] > 0 for r in lv["requests"])
@@ -352,6 +375,24 @@ def test_request_rate_mode_with_openai_completions(fake_server, tmp_path):
     assert all(r["prompt_tokens_reported"] == 24 for lv in doc["levels"] for r in lv["requests"])
 
 
+def test_levels_split_over_worker_processes_add_up():
+    parts = loadgen.split_level(loadgen.Level("concurrency", concurrency=10), 3)
+    assert [p.concurrency for p in parts] == [4, 3, 3]
+    parts = loadgen.split_level(loadgen.Level("rate", request_rate=9.0, burstiness=0.5, max_concurrency=5), 2)
+    assert [(p.request_rate, p.burstiness, p.max_concurrency) for p in parts] == [(4.5, 0.5, 3), (4.5, 0.5, 2)]
+
+
+def test_several_client_processes(fake_server, tmp_path):
+    base_url, _ = fake_server
+    rc = _run(base_url, tmp_path, "--concurrency", "4", "--num-prompts", "8", "--workers", "2", "--strict",
+              "--no-plots")
+    assert rc == 0
+    (level,) = _load(tmp_path)["levels"]
+    assert level["summary"]["completed"] == 8 and len(level["requests"]) == 8
+    # One clock for all processes: request start times lie inside the level's duration.
+    assert all(0 <= r["start"] < level["summary"]["duration_s"] for r in level["requests"])
+
+
 def test_disagreeing_token_counts_fail_a_strict_run(fake_server, tmp_path):
     base_url, state = fake_server
     state["misreport"] = 1
@@ -365,6 +406,19 @@ def test_disagreeing_token_counts_fail_a_strict_run(fake_server, tmp_path):
     assert "streamed a different number of tokens" in (tmp_path / "report.md").read_text()
 
 
+def test_a_stream_cut_off_before_its_end_is_a_failed_request(fake_server, tmp_path):
+    base_url, state = fake_server
+    state["cut"] = True
+    try:
+        rc = _run(base_url, tmp_path, "--concurrency", "2", "--num-prompts", "4", "--warmup", "0", "--strict",
+                  "--no-plots")
+    finally:
+        state["cut"] = False
+    assert rc == 1
+    s = _load(tmp_path)["levels"][0]["summary"]
+    assert s["failed"] == 4 and "cut off" in next(iter(s["errors"]))
+
+
 def test_an_unreachable_server_fails_the_warm_up(tmp_path):
     rc = _run(f"http://127.0.0.1:{loadgen.free_port()}", tmp_path, "--concurrency", "1", "--num-prompts", "1",
               "--request-timeout", "5")
@@ -374,44 +428,7 @@ def test_an_unreachable_server_fails_the_warm_up(tmp_path):
 # ----------------------------------------------------------------------------- the real server
 
 def _metric(base_url: str, name: str) -> float:
-    text = httpx.get(base_url + "/metrics", timeout=10, trust_env=False).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-               or line.startswith(name + "{"))
-
-
-@pytest.fixture(scope="module")
-def live_server(tmp_path_factory):
-    """The server on the embedded model, started here (the suite's shared fixture, where there is
-    one, is preferred: see tests/conftest.py)."""
-    port = loadgen.free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
-                                 "--model", "default", "--device", "cpu"],
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        base_url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 240
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"the server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
-                try:
-                    if httpx.get(base_url + "/health", timeout=2, trust_env=False).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    pytest.fail(f"the server was not healthy in time:\n{log_path.read_text()[-3000:]}")
-                time.sleep(0.5)
-            yield base_url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    return metric_value(httpx.get(base_url + "/metrics", timeout=10, trust_env=False).text, name)
 
 
 @pytest.mark.slow
@@ -419,9 +436,11 @@ def live_server(tmp_path_factory):
 def test_against_the_live_server_on_the_embedded_model(live_server, tmp_path, backend):
     generated_before = _metric(live_server, "llm_generation_tokens_total")
     prompt_before = _metric(live_server, "llm_prompt_tokens_total")
+    # OpenAI streams leave out tokens whose text is still empty: logprobs make the count exact.
+    exact = ["--logprobs"] if backend == "openai" else []
     rc = loadgen.main(["--base-url", live_server, "--backend", backend, "--concurrency", "4",
                        "--num-prompts", "8", "--input-len", "16", "--output-len", "12", "--warmup", "0",
-                       "--no-progress", "--strict", "--out-dir", str(tmp_path)])
+                       "--no-progress", "--strict", "--out-dir", str(tmp_path), *exact])
     assert rc == 0
     _check_outputs(tmp_path)
     doc = _load(tmp_path)
@@ -440,3 +459,27 @@ def test_against_the_live_server_on_the_embedded_model(live_server, tmp_path, ba
     assert _metric(live_server, "llm_prompt_tokens_total") - prompt_before == 8 * 16
     md = (tmp_path / "report.md").read_text()
     assert "| 4 | 8/8 |" in md and "8 of those match the tokens streamed" in md
+
+
+@pytest.mark.slow
+def test_serve_starts_and_stops_the_server(tmp_path):
+    rc = loadgen.main(["--serve", "--model default --device cpu", "--concurrency", "1", "--num-prompts", "2",
+                       "--input-len", "8", "--output-len", "4", "--warmup", "0", "--no-progress", "--no-plots",
+                       "--strict", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    doc = _load(tmp_path)
+    assert doc["config"]["base_url"].startswith("http://127.0.0.1:")
+    assert doc["levels"][0]["summary"]["completed"] == 2
+    assert (tmp_path / "server.log").stat().st_size > 0
+    # The server is gone once the run is over.
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(doc["config"]["base_url"] + "/health", timeout=2, trust_env=False)
+
+
+@pytest.mark.slow
+def test_serve_reports_a_server_that_cannot_load_its_model(tmp_path):
+    started = time.monotonic()
+    rc = loadgen.main(["--serve", f"--model {tmp_path / 'missing.gguf'} --device cpu", "--concurrency", "1",
+                       "--no-progress", "--out-dir", str(tmp_path), "--serve-timeout", "120"])
+    assert rc == 1 and not (tmp_path / "results.json").exists()
+    assert time.monotonic() - started < 60          # told by /health, not by the time-out
