@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default=_env("host", d.host), help="bind address (default %(default)s)")
-    p.add_argument("--port", type=int, default=int(_env("port", d.port)))
+    p.add_argument("--port", type=int, default=int(_env("port", d.port)), help="(default %(default)s)")
     p.add_argument("--model", default=_env("model", d.model),
                    help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder, a .gguf "
                         "file or random:<preset>")
@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=_env("device", "auto"), help="auto, cpu, cuda or cuda:N")
     p.add_argument("--api-key", default=_env("api_key"),
                    help="require 'Authorization: Bearer <key>' on everything but /health")
-    p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", d.max_body_bytes)))
+    p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", d.max_body_bytes)),
+                   help="larger request bodies answer 413 (default %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=_env("max_prompt_tokens"),
                    help="longest prompt accepted (default: the context length less one)")
     p.add_argument("--default-max-new-tokens", type=int,

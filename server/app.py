@@ -22,10 +22,12 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 def create_app(engine=None, settings: Settings | None = None, *,
-               loader: Callable[[], object] | None = None) -> FastAPI:
+               loader: Callable[[], object] | None = None,
+               on_load_error: Callable[[str], None] | None = None) -> FastAPI:
     """The app serving ``engine`` (not yet started: the app starts it on startup and shuts it
     down on shutdown). Give ``loader`` instead to build the engine in a background thread
-    after startup, so that /health can answer 503 while the model loads."""
+    after startup, so that /health can answer 503 while the model loads; if loading fails,
+    /health answers 503 with the error and ``on_load_error(message)`` is called."""
     if (engine is None) == (loader is None):
         raise ValueError("give exactly one of engine or loader")
     settings = settings or Settings()
@@ -34,19 +36,21 @@ def create_app(engine=None, settings: Settings | None = None, *,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        stopping = threading.Event()
+        stopping = _Stopping()
         if engine is not None:
-            engine.start()
+            await run_in_threadpool(engine.start)
             slot.engine = engine
         else:
-            threading.Thread(target=_load, args=(loader, slot, stopping), name="model-loader",
-                             daemon=True).start()
+            threading.Thread(target=_load, args=(loader, slot, stopping, on_load_error),
+                             name="model-loader", daemon=True).start()
         try:
             yield
         finally:
-            stopping.set()
-            if slot.engine is not None:
-                await run_in_threadpool(slot.engine.shutdown)
+            with stopping.lock:
+                stopping.requested = True
+                running = slot.engine
+            if running is not None:
+                await run_in_threadpool(running.shutdown)
 
     app = FastAPI(title="flashdecode server", version="0.1.0", lifespan=lifespan,
                   description="LLM text generation with TGI-style and OpenAI-compatible APIs.")
@@ -65,18 +69,32 @@ def create_app(engine=None, settings: Settings | None = None, *,
     return app
 
 
-def _load(loader: Callable[[], object], slot: EngineSlot, stopping: threading.Event) -> None:
+class _Stopping:
+    """Whether the app is shutting down, decided under a lock shared with the loader thread, so
+    that a model loaded during shutdown is shut down exactly once."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requested = False
+
+
+def _load(loader: Callable[[], object], slot: EngineSlot, stopping: _Stopping,
+          on_load_error: Callable[[str], None] | None) -> None:
     try:
         engine = loader()
         engine.start()
     except Exception as exc:
         log.exception("loading the model failed")
         slot.load_error = f"{type(exc).__name__}: {exc}"
+        if on_load_error is not None:
+            on_load_error(slot.load_error)
         return
-    if stopping.is_set():          # the server shut down while the model was loading
+    with stopping.lock:
+        if not stopping.requested:
+            slot.engine = engine
+    if slot.engine is not engine:   # the server shut down while the model was loading
         engine.shutdown()
         return
-    slot.engine = engine
     log.info("engine ready", extra={"fields": {"model": engine.model_name,
                                                "max_model_len": engine.max_model_len}})
 

@@ -87,6 +87,24 @@ def resolve_max_new_tokens(requested: int | None, prompt_len: int, max_model_len
     return requested
 
 
+SAMPLING_EPS = 1e-5     # temperatures below this sample as greedy (vLLM's rule): no overflow
+
+
+def sampling_params(engine, *, max_new_tokens: int, temperature: float, top_p: float | None,
+                    top_k: int | None, repetition_penalty: float | None, seed: int | None,
+                    stop: tuple[str, ...], logprobs: bool, ignore_eos: bool) -> SamplingParams:
+    """SamplingParams with degenerate values made plain: a top_k at or past the vocabulary
+    is no cut, a vanishing temperature is greedy."""
+    top_k = top_k or 0
+    if top_k >= len(engine.tokenizer):
+        top_k = 0
+    return SamplingParams(max_new_tokens=max_new_tokens,
+                          temperature=0.0 if temperature < SAMPLING_EPS else temperature,
+                          top_p=1.0 if top_p is None else top_p, top_k=top_k,
+                          repetition_penalty=repetition_penalty or 1.0, seed=seed, stop=stop,
+                          logprobs=logprobs, ignore_eos=ignore_eos)
+
+
 def finite_or_none(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 

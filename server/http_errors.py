@@ -1,6 +1,7 @@
 """Error responses. OpenAI routes (/v1/...) answer OpenAI's error shape, the others TGI's;
 no handler ever puts a traceback into a body."""
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -41,15 +42,29 @@ def error_body(path: str, status: int, message: str, param: str | None = None) -
     return {"error": message, "error_type": _TGI_TYPES.get(status, "internal")}
 
 
+class AsciiJSONResponse(JSONResponse):
+    """Error messages may quote what the client sent, which need not be encodable text."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(path: str, status: int, message: str, *, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(path, status, message, param), status_code=status, headers=headers)
+    return AsciiJSONResponse(error_body(path, status, message, param), status_code=status,
+                             headers=headers)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "constrained-str", "constrained-int"}
 
 
 def _field_name(loc) -> str:
+    """'messages.0.content' from pydantic's loc, less the union-member tags it inserts
+    (such as 'function-after[_encodable(), str]' or 'list[TextPart]')."""
     parts = [str(p) for p in loc]
     if parts and parts[0] == "body":
         parts = parts[1:]
+    parts = [p for p in parts if "[" not in p and p not in _TYPE_TAGS]
     return ".".join(parts) or "body"
 
 
@@ -62,7 +77,8 @@ def describe_validation_errors(errors) -> tuple[str, str | None]:
         message = err.get("msg", "invalid value")
         # pydantic's "Value error, x" reads better as "x"
         message = message.removeprefix("Value error, ")
-        described.append(f"{field}: {message}")
+        if f"{field}: {message}" not in described:
+            described.append(f"{field}: {message}")
     return "; ".join(described) or "invalid request body", first
 
 

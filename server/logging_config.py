@@ -48,3 +48,17 @@ def log_config(level: str = "info") -> dict:
 
 def configure_logging(level: str = "info") -> None:
     logging.config.dictConfig(log_config(level))
+    logging.captureWarnings(True)
+    _quiet_transformers()
+
+
+def _quiet_transformers() -> None:
+    """transformers writes through its own handler and draws progress bars on stderr; route
+    its records to ours and drop the bars, so that every line stays JSON."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+    hf_logging.disable_progress_bar()

@@ -14,9 +14,11 @@ from .http_errors import error_response
 from .metrics import Metrics
 
 access_log = logging.getLogger("server.access")
+error_log = logging.getLogger("server.errors")
 
 REQUEST_ID_HEADER = "x-request-id"
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+QUIET_PATHS = frozenset({"/health", "/metrics"})     # probes and scrapes: access-logged at debug
 
 
 def new_request_id() -> str:
@@ -52,16 +54,22 @@ class RequestContextMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception:
+            if sent_start:      # too late for an error response: the connection just closes
+                raise
+            error_log.error("unhandled error", exc_info=True,
+                            extra={"fields": {"request_id": request_id, "path": scope["path"]}})
+            await error_response(scope["path"], 500, "internal server error")(scope, receive, send_with_id)
         finally:
             route = scope.get("route")
             route_path = getattr(route, "path", None) or "unmatched"
             self.metrics.http_requests.labels(method=scope["method"], route=route_path,
                                               status=str(status)).inc()
             client = scope.get("client")
-            access_log.info("request", extra={"fields": {
+            level = logging.DEBUG if scope["path"] in QUIET_PATHS and status < 400 else logging.INFO
+            access_log.log(level, "request", extra={"fields": {
                 "request_id": request_id, "method": scope["method"], "path": scope["path"],
-                "status": status if sent_start else None,
-                "duration_s": round(time.perf_counter() - started, 6),
+                "status": status, "duration_s": round(time.perf_counter() - started, 6),
                 "client": f"{client[0]}:{client[1]}" if client else None}})
 
 

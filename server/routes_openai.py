@@ -8,11 +8,11 @@ from fastapi.responses import JSONResponse
 
 from .engine.params import FinishEvent, SamplingParams, TokenEvent
 from .generation import (ClientGone, Generation, Prompt, check_token_ids, decode_ids, encode_chat,
-                         encode_text, finite_or_none, plan_max_new_tokens, submit)
+                         encode_text, finite_or_none, plan_max_new_tokens, sampling_params, submit)
 from .http_errors import ApiError, error_body
 from .schemas import OpenAIErrorResponse, chat_template_messages
 from .schemas_openai import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                             CompletionResponse, ModelCard, ModelList, _SamplingFields)
+                             CompletionResponse, ModelCard, ModelList, SamplingFields)
 from .services import Services, get_services, ready_engine
 from .sse import DONE, SSE_RESPONSE_DOC, GenerationEventStream, sse_json
 
@@ -34,12 +34,12 @@ def check_model(name: str, engine, services: Services) -> None:
                             f"`{engine.model_name}`", param="model")
 
 
-def sampling_params(body: _SamplingFields, max_new_tokens: int, logprobs: bool) -> SamplingParams:
-    return SamplingParams(max_new_tokens=max_new_tokens,
-                          temperature=1.0 if body.temperature is None else body.temperature,
-                          top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-                          repetition_penalty=body.repetition_penalty or 1.0, seed=body.seed,
-                          stop=body.stop_tuple(), logprobs=logprobs, ignore_eos=body.ignore_eos)
+def openai_sampling(engine, body: SamplingFields, max_new_tokens: int, logprobs: bool) -> SamplingParams:
+    return sampling_params(engine, max_new_tokens=max_new_tokens,
+                           temperature=1.0 if body.temperature is None else body.temperature,
+                           top_p=body.top_p, top_k=body.top_k,
+                           repetition_penalty=body.repetition_penalty, seed=body.seed,
+                           stop=body.stop_tuple(), logprobs=logprobs, ignore_eos=body.ignore_eos)
 
 
 def usage(finish: FinishEvent) -> dict:
@@ -132,10 +132,10 @@ async def completions(body: CompletionRequest, request: Request, engine=Depends(
     else:
         check_token_ids(body.prompt, len(engine.tokenizer))
         prompt = Prompt(list(body.prompt), await decode_ids(engine.tokenizer, body.prompt))
-    max_new = plan_max_new_tokens(services, engine, prompt, body.max_tokens,
-                                  services.settings.default_completion_tokens, "max_tokens")
+    default = min(services.settings.default_completion_tokens, services.settings.default_max_new_tokens)
+    max_new = plan_max_new_tokens(services, engine, prompt, body.max_tokens, default, "max_tokens")
     want_logprobs = body.logprobs is not None
-    gen = submit(services, engine, request, prompt, sampling_params(body, max_new, want_logprobs),
+    gen = submit(services, engine, request, prompt, openai_sampling(engine, body, max_new, want_logprobs),
                  endpoint="completions", streaming=body.stream)
     echo = prompt.text if body.echo else ""
     chunk = envelope(gen, "text_completion", "cmpl", body.model)
@@ -174,7 +174,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
     prompt = await encode_chat(engine.tokenizer, chat_template_messages(body.messages))
     max_new = plan_max_new_tokens(services, engine, prompt, body.token_limit(),
                                   services.settings.default_max_new_tokens, "max_completion_tokens")
-    gen = submit(services, engine, request, prompt, sampling_params(body, max_new, body.logprobs),
+    gen = submit(services, engine, request, prompt, openai_sampling(engine, body, max_new, body.logprobs),
                  endpoint="chat.completions", streaming=body.stream)
     chunk = envelope(gen, "chat.completion.chunk" if body.stream else "chat.completion",
                      "chatcmpl", body.model)

@@ -11,8 +11,8 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from .engine.params import FinishEvent, SamplingParams, TokenEvent
-from .generation import (ClientGone, Generation, Prompt, encode_chat, encode_text, finite_or_none,
-                         plan_max_new_tokens, submit)
+from .generation import (SAMPLING_EPS, ClientGone, Generation, Prompt, encode_chat, encode_text,
+                         finite_or_none, plan_max_new_tokens, sampling_params, submit)
 from .http_errors import ApiError
 from .schemas import (MAX_STOP_SEQUENCES, ErrorResponse, GenerateParameters, GenerateRequest,
                       GenerateResponse, Info, StreamResponse, chat_template_messages)
@@ -34,16 +34,15 @@ def server_version() -> str:
         return "unknown"
 
 
-def sampling_params(p: GenerateParameters, max_new_tokens: int) -> SamplingParams:
+def tgi_sampling(engine, p: GenerateParameters, max_new_tokens: int) -> SamplingParams:
     sample = p.wants_sampling()
     temperature = (1.0 if p.temperature is None else p.temperature) if sample else 0.0
     seed = p.seed
-    if seed is None and temperature > 0:
+    if seed is None and temperature >= SAMPLING_EPS:
         seed = secrets.randbits(63)     # reported in details, so a sample can be replayed
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_p=p.top_p if p.top_p is not None else 1.0, top_k=p.top_k or 0,
-                          repetition_penalty=p.repetition_penalty or 1.0, seed=seed,
-                          stop=tuple(p.stop), logprobs=True, ignore_eos=p.ignore_eos)
+    return sampling_params(engine, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=p.top_p, top_k=p.top_k, repetition_penalty=p.repetition_penalty,
+                           seed=seed, stop=tuple(p.stop), logprobs=True, ignore_eos=p.ignore_eos)
 
 
 def token_json(event: TokenEvent) -> dict:
@@ -132,7 +131,7 @@ async def run_generate(body: GenerateRequest, request: Request, engine, services
     max_new = plan_max_new_tokens(services, engine, prompt, params.max_new_tokens,
                                   services.settings.default_max_new_tokens,
                                   "parameters.max_new_tokens")
-    sampling = sampling_params(params, max_new)
+    sampling = tgi_sampling(engine, params, max_new)
     prefix = prompt.text if params.return_full_text else ""
     gen = submit(services, engine, request, prompt, sampling, endpoint=endpoint, streaming=stream)
     if stream:

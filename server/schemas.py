@@ -7,10 +7,21 @@ only refused when they ask for something this server does not do.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-StopSequence = Annotated[str, Field(min_length=1, max_length=256)]
-NonEmptyText = Annotated[str, Field(min_length=1)]
+
+def _encodable(value: str) -> str:
+    """JSON may carry lone surrogates (\\ud800) that no tokenizer can take."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode (lone surrogate at position {exc.start})") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+StopSequence = Annotated[Text, Field(min_length=1, max_length=256)]
+NonEmptyText = Annotated[Text, Field(min_length=1)]
 MAX_STOP_SEQUENCES = 16
 
 
@@ -20,13 +31,13 @@ class Strict(BaseModel):
 
 class TextPart(Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -40,7 +51,7 @@ def chat_template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
             for m in messages]
 
 
-def _require_neutral(value: Any, neutral: tuple, what: str) -> Any:
+def require_neutral(value: Any, neutral: tuple, what: str) -> Any:
     if value not in neutral:
         raise ValueError(f"{what} is not supported by this server")
     return value
@@ -76,7 +87,7 @@ class GenerateParameters(Strict):
                                       description="Sampling temperature; 0 means greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, description="0 turns the top-k cut off.")
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[StopSequence] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES,
                                      description="Generation stops before any of these strings.")
@@ -97,32 +108,32 @@ class GenerateParameters(Strict):
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, v):
-        return _require_neutral(v, (None, 1), "best_of other than 1")
+        return require_neutral(v, (None, 1), "best_of other than 1")
 
     @field_validator("typical_p")
     @classmethod
     def _typical_p(cls, v):
-        return _require_neutral(v, (None,), "typical_p")
+        return require_neutral(v, (None,), "typical_p")
 
     @field_validator("watermark")
     @classmethod
     def _watermark(cls, v):
-        return _require_neutral(v, (False,), "watermark")
+        return require_neutral(v, (False,), "watermark")
 
     @field_validator("decoder_input_details")
     @classmethod
     def _decoder_input_details(cls, v):
-        return _require_neutral(v, (False,), "decoder_input_details")
+        return require_neutral(v, (False,), "decoder_input_details")
 
     @field_validator("top_n_tokens")
     @classmethod
     def _top_n_tokens(cls, v):
-        return _require_neutral(v, (None, 0), "top_n_tokens")
+        return require_neutral(v, (None, 0), "top_n_tokens")
 
     @field_validator("frequency_penalty")
     @classmethod
     def _frequency_penalty(cls, v):
-        return _require_neutral(v, (None, 0, 0.0), "frequency_penalty (use repetition_penalty)")
+        return require_neutral(v, (None, 0, 0.0), "frequency_penalty (use repetition_penalty)")
 
     def wants_sampling(self) -> bool:
         if self.do_sample is not None:

@@ -4,7 +4,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from .schemas import MAX_STOP_SEQUENCES, ChatMessage, StopSequence, Strict, _require_neutral
+from .schemas import MAX_STOP_SEQUENCES, ChatMessage, StopSequence, Strict, Text, require_neutral
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -13,8 +13,8 @@ class StreamOptions(Strict):
     include_usage: bool = Field(False, description="Send a last chunk with token usage before [DONE].")
 
 
-class _SamplingFields(Strict):
-    model: str = Field(description="The id listed by GET /v1/models.")
+class SamplingFields(Strict):
+    model: Text = Field(description="The id listed by GET /v1/models.")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(None, description="Only 1 is supported.")
@@ -26,21 +26,21 @@ class _SamplingFields(Strict):
     frequency_penalty: float | None = Field(None, description="Only 0 is supported; "
                                                               "see repetition_penalty.")
     logit_bias: dict[str, float] | None = Field(None, description="Only an empty map is supported.")
-    user: str | None = Field(None, description="Accepted and ignored.")
+    user: Text | None = Field(None, description="Accepted and ignored.")
     # Extensions in vLLM's spelling.
     top_k: int | None = Field(None, ge=0, description="0 turns the top-k cut off.")
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)
     ignore_eos: bool = False
 
     @field_validator("n")
     @classmethod
     def _n(cls, v):
-        return _require_neutral(v, (None, 1), "n other than 1")
+        return require_neutral(v, (None, 1), "n other than 1")
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _penalties(cls, v):
-        return _require_neutral(v, (None, 0, 0.0), "a non-zero presence/frequency penalty")
+        return require_neutral(v, (None, 0, 0.0), "a non-zero presence/frequency penalty")
 
     @field_validator("logit_bias")
     @classmethod
@@ -65,8 +65,8 @@ class _SamplingFields(Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+class CompletionRequest(SamplingFields):
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] = Field(
         description="One prompt: a string or a list of token ids (a one-element list of either "
                     "is accepted too).")
     max_tokens: int | None = Field(None, ge=1, description="Default 16, as OpenAI's.")
@@ -97,14 +97,14 @@ class CompletionRequest(_SamplingFields):
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, v):
-        return _require_neutral(v, (None, 1), "best_of other than 1")
+        return require_neutral(v, (None, 1), "best_of other than 1")
 
 
 class ResponseFormat(Strict):
     type: Literal["text"] = Field(description="Only plain text is supported.")
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated OpenAI name of "
                                                            "max_completion_tokens.")
@@ -119,7 +119,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, v):
-        return _require_neutral(v, (None, 0), "top_logprobs above 0")
+        return require_neutral(v, (None, 0), "top_logprobs above 0")
 
     @field_validator("tools")
     @classmethod

@@ -28,6 +28,10 @@ class GenerationEventStream(EventSourceResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.generation.close()
+            # Starlette leaves an unfinished body generator to the garbage collector.
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 SSE_RESPONSE_DOC = {"text/event-stream": {"schema": {"type": "string"},

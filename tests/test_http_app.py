@@ -239,8 +239,9 @@ def test_full_queue_answers_429_with_retry_after():
 
 def test_unexpected_exception_answers_500_without_traceback():
     with client_for(FakeEngine(mode="crash")) as client:
-        r = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}})
-        assert r.status_code == 500
+        r = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}},
+                        headers={"X-Request-Id": "boom-1"})
+        assert r.status_code == 500 and r.headers["x-request-id"] == "boom-1"
         assert r.json() == {"error": "internal server error", "error_type": "internal"}
         assert "secret" not in r.text and "Traceback" not in r.text
         assert client.get("/health").status_code == 200
@@ -355,12 +356,15 @@ def test_health_is_503_while_loading_and_after_a_failed_load():
     def broken_loader():
         raise FileNotFoundError("no such model")
 
-    with TestClient(create_app(settings=Settings(), loader=broken_loader)) as client:
+    reported = []
+    app = create_app(settings=Settings(), loader=broken_loader, on_load_error=reported.append)
+    with TestClient(app) as client:
         deadline = time.monotonic() + 5
         while client.get("/health").json()["status"] == "loading" and time.monotonic() < deadline:
             time.sleep(0.02)
         r = client.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "error"
+        assert reported == ["FileNotFoundError: no such model"]
 
 
 def test_engine_fatal_error_turns_health_503():
@@ -396,3 +400,56 @@ def test_openapi_documents_the_accepted_bodies():
         assert {"max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "seed", "stop",
                 "repetition_penalty", "details"} <= set(params)
         assert client.get("/docs").status_code == 200
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/generate", {"inputs": "a\ud800"}, "inputs"),
+    ("/v1/completions", {"model": "fake-model", "prompt": "\udfff"}, "prompt"),
+    ("/v1/completions", {"model": "\ud800", "prompt": "x"}, "model"),
+    ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": "\ud800"}]},
+     "messages.0.content"),
+    ("/generate", {"inputs": "x", "\ud800": 1}, "body"),
+])
+def test_lone_surrogates_answer_422(path, body, field):
+    with client_for() as client:
+        r = client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert field in r.text
+
+
+def test_degenerate_sampling_values_are_made_plain():
+    engine = FakeEngine()
+    with client_for(engine) as client:
+        r = client.post("/v1/completions", json={"model": "fake-model", "prompt": "x", "max_tokens": 1,
+                                                 "temperature": 1e-300, "top_k": 10**6})
+        assert r.status_code == 200
+        params = engine.requests[-1][1]
+        assert params.temperature == 0.0 and params.top_k == 0
+        r = client.post("/generate", json={"inputs": "x", "parameters": {
+            "max_new_tokens": 1, "do_sample": True, "temperature": 0.7, "top_k": 999, "details": True}})
+        params = engine.requests[-1][1]
+        assert params.temperature == 0.7 and params.top_k == 999
+        assert params.seed is not None and r.json()["details"]["seed"] == params.seed
+
+
+@pytest.mark.parametrize("log_prompts", [False, True])
+def test_generation_log_has_timings_and_prompt_only_in_debug(caplog, log_prompts):
+    caplog.set_level("INFO", logger="server.generation")
+    with client_for(log_prompts=log_prompts) as client:
+        client.post("/generate", json={"inputs": "secret prompt", "parameters": {"max_new_tokens": 2}},
+                    headers={"X-Request-Id": "log-1"})
+    [record] = [r for r in caplog.records if r.name == "server.generation"]
+    fields = record.fields
+    assert fields["request_id"] == "log-1" and fields["finish_reason"] == "length"
+    assert {"queue_s", "ttft_s", "total_s", "tokenize_s", "prompt_tokens", "completion_tokens"} <= set(fields)
+    assert ("prompt" in fields) == log_prompts
+    assert ("secret prompt" in json.dumps(fields)) == log_prompts
+
+
+def test_json_log_lines():
+    from server.logging_config import JsonFormatter
+    import logging
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "hello %s", ("world",), None)
+    record.fields = {"request_id": "r1", "duration_s": 0.5}
+    line = json.loads(JsonFormatter().format(record))
+    assert line["msg"] == "hello world" and line["request_id"] == "r1" and line["level"] == "info"

@@ -1,0 +1,49 @@
+"""``python -m server`` options and their environment variables."""
+
+import pytest
+
+from server.__main__ import engine_options, parse_args, settings_from
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ("HOST", "PORT", "MODEL", "API_KEY", "MAX_BATCH", "LOG_PROMPTS", "DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_defaults_bind_to_localhost(clean_env):
+    settings = settings_from(parse_args([]))
+    assert (settings.host, settings.port, settings.model) == ("127.0.0.1", 8000, "default")
+    assert settings.api_key is None and settings.log_prompts is False
+    assert settings.device in ("cpu", "cuda")
+    assert engine_options(parse_args([])) == {}
+
+
+def test_environment_is_read_and_flags_win(clean_env):
+    clean_env.setenv("HOST", "0.0.0.0")
+    clean_env.setenv("PORT", "9001")
+    clean_env.setenv("MODEL", "random:tiny")
+    clean_env.setenv("API_KEY", "from-env")
+    clean_env.setenv("MAX_BATCH", "8")
+    settings = settings_from(parse_args([]))
+    assert (settings.host, settings.port, settings.model, settings.api_key) == \
+        ("0.0.0.0", 9001, "random:tiny", "from-env")
+    assert engine_options(parse_args([])) == {"max_batch": 8}
+    settings = settings_from(parse_args(["--port", "9002", "--api-key", "from-flag", "--device", "cpu"]))
+    assert (settings.port, settings.api_key, settings.device) == (9002, "from-flag", "cpu")
+
+
+def test_engine_sizing_flags_pass_through(clean_env):
+    args = parse_args(["--max-waiting-requests", "3", "--max-waiting-tokens", "500", "--block-size", "16",
+                       "--no-cuda-graphs", "--log-prompts", "--max-prompt-tokens", "100"])
+    assert engine_options(args) == {"max_waiting_requests": 3, "max_waiting_tokens": 500,
+                                    "block_size": 16, "cuda_graphs": False}
+    settings = settings_from(args)
+    assert settings.log_prompts and settings.max_prompt_tokens == 100
+
+
+def test_bad_values_are_refused(clean_env, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--port", "eighty"])
+    assert "--port" in capsys.readouterr().err
