@@ -42,15 +42,16 @@ if want engine-bench; then
 fi
 if want compile; then
   stamp "engine with torch.compile"
-  timeout 300 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m \
-      --batch 1 64 256 --hf --repeats 2 --compile --out "$OUT/engine_compile.json" 2>&1 \
+  timeout 240 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m \
+      --batch 1 16 64 256 --hf --repeats 1 --compile --out "$OUT/engine_compile.json" 2>&1 \
       | tee "$OUT/engine_compile.log" | grep -E 'captured|ready|^\|' | tail -12
 fi
 if want http; then
   stamp "HTTP load test"
-  timeout 420 python3 -m load_tests.loadgen --serve "--model random:smollm2-135m --device cuda" \
-      --concurrency 1,16,64,256 --input-len 128 --output-len 256 --no-progress \
-      --engine-json "$OUT/engine_bench.json" --out-dir "$OUT/http" 2>&1 | tee "$OUT/http.log" | tail -30
+  engine_json=${ENGINE_JSON:-$OUT/engine_bench.json}
+  timeout 300 python3 -m load_tests.loadgen --serve "--model random:smollm2-135m --device cuda" \
+      --concurrency 1,16,64,256 --input-len 128 --output-len 256 --no-progress --workers 4 \
+      --engine-json "$engine_json" --out-dir "$OUT/http" 2>&1 | tee "$OUT/http.log" | tail -30
 fi
 stamp "done"
 printf '%s\n' "${summary[@]}"
