@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     def load():
         if args.engine_thread:
             return Engine(load_model(settings.model, dtype=settings.dtype, device=settings.device), config)
-        return ProcessEngine(settings.model, dtype=settings.dtype, device=settings.device, config=config)
+        return ProcessEngine(settings.model, dtype=settings.dtype, device=settings.device, config=config,
+                             log_config=log_config(args.log_level))
 
     shown = {k: v for k, v in dataclasses.asdict(settings).items() if k != "api_key"}
     log.info("starting", extra={"fields": {"settings": shown, "api_key": bool(settings.api_key),

@@ -169,3 +169,40 @@ def test_stop_matcher_holds_back_a_possible_prefix():
     assert not stopped and release == 3
     release, stopped = m.scan("abc STOP more", emitted=3, added=7)
     assert stopped and release == 4
+
+
+def test_repetition_penalty_and_every_option_through_the_engine(tiny):
+    engine = Engine(tiny, EngineConfig(max_batch=4, num_blocks=32, block_size=16))
+    engine.start()
+    try:
+        params = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=10**6, top_p=0.9,
+                                repetition_penalty=1.3, seed=5, logprobs=True, ignore_eos=True)
+        (tokens, _, finish), = run_all(engine, [([5, 6, 7, 8], params)])
+        assert finish.reason == "length" and len(tokens) == 12
+        assert engine.error is None
+    finally:
+        engine.shutdown()
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny):
+    engine = Engine(tiny, EngineConfig(max_batch=4, num_blocks=32, block_size=16))
+    real_decode = engine.core.runner.decode
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected")
+        return real_decode(*args, **kwargs)
+
+    engine.core.runner.decode = flaky
+    engine.start()
+    try:
+        params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+        (_, _, failed), = run_all(engine, [([5, 6, 7], params)])
+        assert failed.reason == "error" and "injected" in failed.error
+        (tokens, _, ok), = run_all(engine, [([5, 6, 7], params)])
+        assert ok.reason == "length" and len(tokens) == 6
+        assert engine.error is None and engine.core.blocks.num_free == engine.core.blocks.num_blocks
+    finally:
+        engine.shutdown()

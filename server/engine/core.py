@@ -28,6 +28,7 @@ from .sequence import Sequence, Status
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -105,23 +106,31 @@ class EngineCore:
 
     def run(self, inbox, stop: Callable[[], bool] = lambda: False) -> None:
         """Steps until a ``("stop", None)`` message or ``stop()``. Inbox messages:
-        ``("add", (request_id, prompt_ids, params, seed))`` and ``("abort", request_id)``."""
-        try:
-            while not stop():
-                busy = self.scheduler.has_work() or self._inflight is not None
-                for kind, payload in _drain(inbox, block=not busy):
-                    if kind == "stop":
-                        return
-                    if kind == "add":
-                        self.add(*payload)
-                    elif kind == "abort":
-                        self.abort(payload)
-                if self.scheduler.has_work() or self._inflight is not None:
-                    self._publish(self.step())
-        except Exception as exc:                  # the loop cannot go on: fail every request
-            log.exception("engine step failed")
-            self.fail_all(f"{type(exc).__name__}: {exc}")
-            raise
+        ``("add", (request_id, prompt_ids, params, seed))`` and ``("abort", request_id)``.
+        A step that raises fails the requests in the engine and the loop goes on; only
+        ``MAX_FAILED_STEPS`` failures in a row (a broken device, say) end it."""
+        failures = 0
+        while not stop():
+            busy = self.scheduler.has_work() or self._inflight is not None
+            for kind, payload in _drain(inbox, block=not busy):
+                if kind == "stop":
+                    return
+                if kind == "add":
+                    self.add(*payload)
+                elif kind == "abort":
+                    self.abort(payload)
+            if not (self.scheduler.has_work() or self._inflight is not None):
+                continue
+            try:
+                self._publish(self.step())
+                failures = 0
+            except Exception as exc:
+                failures += 1
+                log.exception("engine step failed (%d in a row)", failures)
+                self._inflight = None
+                self.fail_all(f"{type(exc).__name__}: {exc}")
+                if failures >= MAX_FAILED_STEPS:
+                    raise
 
     def run_until_idle(self) -> None:
         """Steps until every request has finished (offline use: benchmarks, batch jobs)."""
@@ -146,6 +155,7 @@ class EngineCore:
         if seq.first_scheduled is None:
             seq.first_scheduled = time.monotonic()
 
+    @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, object]]:
         """One model step; returns the (sequence, event) pairs that became known.
 

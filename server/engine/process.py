@@ -6,9 +6,12 @@ snapshot come back up another, as one message per step.
 """
 
 import logging
+import logging.config
 import multiprocessing as mp
 import queue
 import threading
+
+import transformers
 
 from models import load_model, load_tokenizer
 
@@ -19,9 +22,11 @@ from .engine import EngineFrontend
 log = logging.getLogger(__name__)
 
 
-def _core_main(model: str, dtype: str | None, device: str, config: EngineConfig, inbox, outbox, log_level: int):
-    logging.basicConfig(level=log_level, format='{"time": "%(asctime)s", "level": "%(levelname)s", '
-                                               '"logger": "%(name)s", "message": "%(message)s"}')
+def _core_main(model: str, dtype: str | None, device: str, config: EngineConfig, inbox, outbox,
+               log_config: dict | None):
+    if log_config is not None:
+        logging.config.dictConfig(log_config)
+    transformers.utils.logging.disable_progress_bar()
     try:
         loaded = load_model(model, dtype=dtype, device=device)
         core = EngineCore(loaded, config, lambda pairs, stats: outbox.put(("events", pairs, stats)))
@@ -34,7 +39,9 @@ def _core_main(model: str, dtype: str | None, device: str, config: EngineConfig,
 
 
 class ProcessEngine(EngineFrontend):
-    def __init__(self, model: str, dtype: str | None = None, device: str = "cpu", config: EngineConfig | None = None):
+    def __init__(self, model: str, dtype: str | None = None, device: str = "cpu", config: EngineConfig | None = None,
+                 log_config: dict | None = None):
+        """``log_config``: a ``logging.config.dictConfig`` dict for the core process."""
         super().__init__(config or EngineConfig())
         self.tokenizer = load_tokenizer(model)
         ctx = mp.get_context("spawn")
@@ -42,7 +49,7 @@ class ProcessEngine(EngineFrontend):
         self._outbox = ctx.Queue()
         self._process = ctx.Process(target=_core_main, name="engine-core", daemon=True,
                                     args=(model, dtype, device, self.config, self._inbox, self._outbox,
-                                          logging.getLogger().getEffectiveLevel()))
+                                          log_config))
         self._reader: threading.Thread | None = None
 
     def start(self) -> None:
@@ -88,6 +95,9 @@ class ProcessEngine(EngineFrontend):
         if self._process.is_alive():
             self._process.terminate()
             self._process.join(timeout=5)
+        for q in (self._inbox, self._outbox):
+            q.close()
+            q.join_thread()
 
     def _send(self, message) -> None:
         self._inbox.put(message)

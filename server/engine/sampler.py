@@ -67,7 +67,7 @@ def _filter_top_k_top_p(scaled, top_k, top_p):
     device = scaled.device
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     vocab = scaled.shape[-1]
-    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=device).unsqueeze(1)
+    k = torch.tensor([min(t, vocab) if t > 0 else vocab for t in top_k], device=device).unsqueeze(1)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
@@ -79,7 +79,7 @@ def _filter_top_k_top_p(scaled, top_k, top_p):
 
 def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns token ids [n] (int64) and, if asked, their log-probabilities [n]."""
-    logits = logits.float()
+    logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
     if any(p != 1.0 for p in rows.repetition_penalty):
         _apply_repetition_penalty(logits, rows.repetition_penalty, rows.history)
     greedy_ids = logits.argmax(dim=-1)
