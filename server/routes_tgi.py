@@ -1,11 +1,9 @@
 """Text Generation Inference-shaped routes: POST /generate, POST /generate_stream, GET /info."""
 
-import asyncio
 import importlib.metadata
 import logging
 import secrets
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
@@ -61,64 +59,39 @@ async def build_prompt(body: GenerateRequest, engine) -> Prompt:
     return prompt
 
 
-async def with_last_token(gen: Generation, grace: float
-                          ) -> AsyncIterator[tuple[TokenEvent | None, FinishEvent | None]]:
-    """Yields (token, None) for each token and finally (last token, finish). The newest token
-    is held back up to ``grace`` seconds to learn whether the finish event follows it, so that
-    the last token event can carry generated_text and details, as TGI's does."""
-    held: TokenEvent | None = None
-    pending: asyncio.Future | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(gen.__anext__())
-            if held is not None and not pending.done():
-                done, _ = await asyncio.wait({pending}, timeout=grace)
-                if not done:
-                    yield held, None
-                    held = None
-                    continue
-            event = await pending
-            pending = None
-            if isinstance(event, FinishEvent):
-                yield held, event
-                return
-            if held is not None:
-                yield held, None
-            held = event
-    finally:
-        if pending is not None:
-            pending.cancel()
-
-
-async def tgi_stream(gen: Generation, prefix: str, grace: float) -> AsyncIterator[bytes]:
+async def tgi_stream(gen: Generation, prefix: str) -> AsyncIterator[bytes]:
+    """One event per token; the last token's event also carries generated_text and details, as
+    TGI's does (the engine marks that token, its finish event queued right behind it)."""
     index = 0
     try:
-        async with aclosing(with_last_token(gen, grace)) as events:
-            async for token, finish in events:
-                if finish is None or finish.reason in ("error", "abort"):
-                    if token is not None:
-                        index += 1
-                        yield sse_json({"index": index, "token": token_json(token),
-                                        "generated_text": None, "details": None, "top_tokens": None})
-                    if finish is not None:
-                        message = (f"generation failed: {finish.error}" if finish.reason == "error"
-                                   else "the request was aborted by the server")
-                        yield sse_json({"error": message, "error_type": "generation"})
-                    continue
-                if token is None:
-                    # The last token already went out without its finish event: close with an
-                    # empty special token, so that concatenating token texts stays right.
-                    last = gen.tokens[-1] if gen.tokens else None
-                    token = TokenEvent(last.token_id if last else 0, "", None, True)
-                index += 1
-                yield sse_json({
-                    "index": index, "token": token_json(token),
-                    "generated_text": prefix + finish.text,
-                    "details": {"finish_reason": FINISH_REASONS[finish.reason],
-                                "generated_tokens": finish.completion_tokens,
-                                "seed": gen.params.seed, "input_length": finish.prompt_tokens},
-                    "top_tokens": None})
+        async for event in gen:
+            finish = event if isinstance(event, FinishEvent) else None
+            token = None if finish else event
+            if token is not None and token.last:
+                finish = await gen.__anext__()
+            if finish is not None and finish.reason in ("error", "abort"):
+                if token is not None:
+                    index += 1
+                    yield sse_json({"index": index, "token": token_json(token), "generated_text": None,
+                                    "details": None, "top_tokens": None})
+                message = (f"generation failed: {finish.error}" if finish.reason == "error"
+                           else "the request was aborted by the server")
+                yield sse_json({"error": message, "error_type": "generation"})
+                return
+            index += 1
+            if finish is None:
+                yield sse_json({"index": index, "token": token_json(token), "generated_text": None,
+                                "details": None, "top_tokens": None})
+                continue
+            token = token or TokenEvent(0, "", None, True)    # finished with no token of its own
+            yield sse_json({
+                "index": index, "token": token_json(token),
+                "generated_text": prefix + finish.text,
+                "details": {"finish_reason": FINISH_REASONS[finish.reason],
+                            "generated_tokens": finish.completion_tokens,
+                            "seed": gen.params.seed, "input_length": finish.prompt_tokens},
+                "top_tokens": None})
+            return
     except Exception:
         log.exception("stream failed", extra={"fields": {"request_id": gen.request_id}})
         yield sse_json({"error": "internal server error", "error_type": "internal"})
@@ -136,7 +109,7 @@ async def run_generate(body: GenerateRequest, request: Request, engine, services
     gen = submit(services, engine, request, prompt, sampling, endpoint=endpoint, streaming=stream)
     if stream:
         return GenerationEventStream(
-            tgi_stream(gen, prefix, services.settings.tgi_final_token_grace_s), gen)
+            tgi_stream(gen, prefix), gen)
     try:
         finish = await gen.collect(request)
     except ClientGone:

@@ -17,7 +17,3 @@ class Settings:
     default_completion_tokens: int = 16      # OpenAI's documented default for /v1/completions
     log_prompts: bool = False                # debug: put prompt and generated text into the logs
     log_level: str = "info"
-    # How long a TGI stream holds the newest token back, waiting for the engine's finish event,
-    # so that the last token event can carry generated_text and details as TGI's does. Our
-    # engine delivers a step's token and finish events together, so no wait is needed.
-    tgi_final_token_grace_s: float = 0.0

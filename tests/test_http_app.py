@@ -103,7 +103,8 @@ class FakeEngine:
             await asyncio.sleep(self.token_delay)
             piece = f"w{i} "
             text += piece
-            stream.queue.put_nowait(TokenEvent(100 + i, piece, -0.25, False, time.monotonic()))
+            last = i == params.max_new_tokens - 1
+            stream.queue.put_nowait(TokenEvent(100 + i, piece, -0.25, False, time.monotonic(), last))
         stream.queue.put_nowait(FinishEvent("length", text, stream.prompt_tokens, params.max_new_tokens,
                                             timings={"queue": 0.001, "ttft": 0.002,
                                                      "total": time.monotonic() - start}))

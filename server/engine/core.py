@@ -268,7 +268,7 @@ class EngineCore:
             release = len(seq.text)                # nothing is held back once the text is final
         out = seq.text[seq.emitted:release]
         seq.emitted = release
-        events = [(seq, TokenEvent(token, out, logprob, special, now))]
+        events = [(seq, TokenEvent(token, out, logprob, special, now, reason is not None))]
         if reason is not None:
             events.append((seq, self._finish(seq, reason)))
         return events

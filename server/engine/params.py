@@ -32,6 +32,7 @@ class TokenEvent:
     logprob: float | None = None
     special: bool = False
     time: float = 0.0                   # time.monotonic() when the engine produced it
+    last: bool = False                  # the request's FinishEvent is queued right behind it
 
 
 @dataclass(frozen=True)
