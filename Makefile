@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
 
 bench-cpu: $(STAMP)
-	$(PY) -m load_tests.engine_bench --device cpu --batch 1 --prompt-len 32 --new-tokens 64 --model default
+	$(PY) -m load_tests.engine_bench --device cpu --model default --dtype float32 --batch 1 --prompt-len 128 --new-tokens 64 --hf default --repeats 5 --out results/cpu_bench.json
 
 clean:
 	rm -rf $(VENV) .cache

@@ -40,8 +40,8 @@ def split_attention(q, k, v, seq_lens, num_splits):
         v = torch.nn.functional.pad(v, (0, 0, 0, pad))
     k = k.view(batch, num_kv_heads, num_splits, chunk, head_dim)
     v = v.view(batch, num_kv_heads, num_splits, chunk, head_dim)
-    qg = q.view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,bhsnd->bhsgn", qg, k)                    # [B, Hkv, S, G, chunk]
+    qg = q.view(batch, num_kv_heads, 1, group, head_dim)
+    scores = qg @ k.transpose(-1, -2)                                     # [B, Hkv, S, G, chunk]
     ragged = pad > 0 or bool((seq_lens != width).any())
     if ragged:
         positions = torch.arange(num_splits * chunk, device=q.device).view(num_splits, chunk)
@@ -51,7 +51,7 @@ def split_attention(q, k, v, seq_lens, num_splits):
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m)) if ragged else m
     p = torch.exp(scores - m_safe)
     l = p.sum(dim=-1, keepdim=True)
-    o = torch.einsum("bhsgn,bhsnd->bhsgd", p, v) / l.clamp_min(torch.finfo(l.dtype).tiny)
+    o = (p @ v) / l.clamp_min(torch.finfo(l.dtype).tiny)                  # [B, Hkv, S, G, D]
     lse = (m_safe + torch.log(l)).squeeze(-1)                             # log(0) = -inf when empty
     o = o.permute(0, 1, 3, 2, 4).reshape(batch, num_q_heads, num_splits, head_dim)
     lse = lse.permute(0, 1, 3, 2).reshape(batch, num_q_heads, num_splits)
@@ -60,10 +60,12 @@ def split_attention(q, k, v, seq_lens, num_splits):
 
 def merge_splits(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Exact merge of split partials: ``O = sum_c exp(lse_c - lse) O_c``."""
+    if o.shape[2] == 1:
+        return o[:, :, 0]                   # one split is already normalised: its weight is 1
     total = torch.logsumexp(lse, dim=-1, keepdim=True)
     weights = torch.exp(lse - total)
     weights = torch.where(torch.isfinite(total), weights, torch.zeros_like(weights))
-    return torch.einsum("bhs,bhsd->bhd", weights, o)
+    return (weights.unsqueeze(-1) * o).sum(dim=2)
 
 
 def reference_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None):
