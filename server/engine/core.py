@@ -104,13 +104,13 @@ class EngineCore:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.blocks.num_blocks, self.blocks.num_used, self.scheduler.preemptions)
 
-    def run(self, inbox, stop: Callable[[], bool] = lambda: False) -> None:
-        """Steps until a ``("stop", None)`` message or ``stop()``. Inbox messages:
+    def run(self, inbox) -> None:
+        """Steps until a ``("stop", None)`` message. Inbox messages:
         ``("add", (request_id, prompt_ids, params, seed))`` and ``("abort", request_id)``.
         A step that raises fails the requests in the engine and the loop goes on; only
         ``MAX_FAILED_STEPS`` failures in a row (a broken device, say) end it."""
         failures = 0
-        while not stop():
+        while True:
             busy = self.scheduler.has_work() or self._inflight is not None
             for kind, payload in _drain(inbox, block=not busy):
                 if kind == "stop":

@@ -15,7 +15,7 @@ if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-stages=${*:-tests kernel-bench engine-bench compile http}
+stages=${*:-tests profile kernel-bench engine-bench compile http}
 want() { [[ " $stages " == *" $1 "* ]]; }
 summary=()
 t0=$(date +%s)
@@ -29,6 +29,10 @@ if want tests; then
   stamp "GPU tests"
   timeout 200 python3 -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
   summary+=("gpu tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/gpu_tests.log" | tail -1)")
+fi
+if want profile; then
+  stamp "step profile"
+  timeout 180 python3 -m load_tests.profile_steps --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log" | tail -12
 fi
 if want kernel-bench; then
   stamp "kernel benchmark"

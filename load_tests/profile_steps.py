@@ -1,0 +1,86 @@
+"""Where one engine step's time goes: wall time of prefills and decodes, kernels per step, and
+the top host and device operations (torch.profiler), with a Chrome trace per step kind.
+
+    python -m load_tests.profile_steps --model random:smollm2-135m --out results/profile
+"""
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from models import load_model
+from server.engine import EngineConfig, EngineCore, SamplingParams
+
+
+def timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random:smollm2-135m")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("results/profile"))
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    loaded = load_model(args.model, device="cuda")
+    core = EngineCore(loaded, EngineConfig(max_batch=max(args.batch), num_blocks=8192, compile=args.compile),
+                      publish=lambda pairs, stats: None)
+    prompt = list(range(1000, 1000 + args.prompt_len))
+    counter = iter(range(10**9))
+
+    def prefill_one():
+        core.add(f"p{next(counter)}", prompt, SamplingParams(max_new_tokens=1, ignore_eos=True), seed=0)
+        core.run_until_idle()
+
+    def decode_steps(batch: int, steps: int):
+        for _ in range(batch):
+            core.add(f"d{next(counter)}", prompt, SamplingParams(max_new_tokens=steps + 1, ignore_eos=True), seed=0)
+        core.step()                                   # the prefill
+        return lambda: [core.step() for _ in range(steps)]
+
+    prefill_one()
+    rows = [("prefill, 1 x %d tokens" % args.prompt_len, timed(prefill_one, 10))]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prefill_one()
+    prof.export_chrome_trace(str(args.out / "prefill.json"))
+    report = [f"## prefill\n\n{prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=20)}"]
+    for batch in args.batch:
+        run = decode_steps(batch, 40)
+        run()
+        core.run_until_idle()
+        run = decode_steps(batch, 40)
+        elapsed = timed(run, 1) / 40
+        rows.append((f"decode step, B={batch}", elapsed))
+        run = decode_steps(batch, 5)
+        run()                                         # past the first decode, which waits on nothing
+        run = decode_steps(batch, 5)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+        core.run_until_idle()
+        prof.export_chrome_trace(str(args.out / f"decode_b{batch}.json"))
+        kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+        rows.append((f"  device operations per decode step, B={batch}", kernels / 5))
+        report.append(f"## decode B={batch}\n\n{prof.key_averages().table(sort_by='self_cuda_time_total', row_limit=15)}")
+    (args.out / "profile.md").write_text("\n\n".join(report))
+    print("\n".join(report[-1:]))
+    print("\n| what | value |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value * 1e3:.2f} ms |" if value < 10 else f"| {name} | {value:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
