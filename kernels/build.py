@@ -43,11 +43,11 @@ def find_nvcc() -> str | None:
     return next((str(c) for c in candidates if c.is_file()), None)
 
 
-def check_toolchain() -> None:
+def check_toolchain(require_device: bool = True) -> None:
     if torch.version.cuda is None:
         raise BuildError(f"this torch ({torch.__version__}) has no CUDA support; the flash-decoding kernel "
                          "needs a CUDA build of torch (CPU tensors run kernels.reference_decode)")
-    if not torch.cuda.is_available():
+    if require_device and not torch.cuda.is_available():
         raise BuildError("no CUDA device is visible; the flash-decoding kernel needs one "
                          "(CPU tensors run kernels.reference_decode)")
     if find_nvcc() is None:
@@ -70,11 +70,12 @@ def check_device(device: torch.device) -> None:
 _loaded_path: str | None = None
 
 
-def load_extension(verbose: bool = False) -> str:
-    """Build (first time) and load the library that registers ``torch.ops.flashdecode``."""
+def load_extension(verbose: bool = False, require_device: bool = True) -> str:
+    """Build (first time) and load the library that registers ``torch.ops.flashdecode``.
+    ``require_device=False`` builds where no GPU is visible (an image build, say)."""
     global _loaded_path
     if _loaded_path is None:
-        check_toolchain()
+        check_toolchain(require_device)
         from torch.utils.cpp_extension import load
         build_dir = cache_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -83,3 +84,8 @@ def load_extension(verbose: bool = False) -> str:
              is_python_module=False, verbose=verbose)
         _loaded_path = str(build_dir)
     return _loaded_path
+
+
+if __name__ == "__main__":
+    # python -m kernels.build: compile into the cache now, no GPU needed (used by docker/Dockerfile).
+    print("kernel built in", load_extension(verbose=True, require_device=False))
