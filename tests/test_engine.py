@@ -206,3 +206,41 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny):
         assert engine.error is None and engine.core.blocks.num_free == engine.core.blocks.num_blocks
     finally:
         engine.shutdown()
+
+
+def test_padded_single_prompt_prefill_matches_the_packed_one(tiny):
+    """The path CUDA graphs replay on the GPU, run eagerly: same logits and same cache."""
+    from server.engine.model_runner import ModelRunner
+    from server.engine.sequence import Sequence
+
+    def run(buckets, lengths):
+        runner = ModelRunner(tiny, EngineConfig(max_batch=4, num_blocks=32, block_size=16,
+                                                prefill_graph_buckets=buckets), max_model_len=512)
+        blocks = BlockManager(runner.num_blocks, runner.block_size)
+        chunks = []
+        for n in lengths:
+            seq = Sequence(f"s{n}", [7 + (i * 13) % 3000 for i in range(n)], SamplingParams(), 0, None)
+            blocks.grow(seq.block_table, n)
+            chunks.append((seq, n))
+        with torch.inference_mode():
+            return runner.prefill(chunks), runner.kv_caches[1][0].clone()
+
+    lengths = [5, 16, 40]
+    padded, padded_cache = run((16, 64), lengths)
+    packed, packed_cache = run((), lengths)
+    assert torch.allclose(padded, packed, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(padded_cache, packed_cache, atol=1e-6)
+
+
+def test_engine_with_prefill_buckets_gives_the_same_tokens(tiny):
+    prompts = [[9 + (i * 7 + j) % 4000 for j in range(n)] for i, n in enumerate([3, 30, 64])]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    results = []
+    for buckets in ((16, 64), ()):
+        engine = Engine(tiny, EngineConfig(max_batch=4, num_blocks=64, block_size=16, prefill_graph_buckets=buckets))
+        engine.start()
+        try:
+            results.append([t for t, _, _ in run_all(engine, [(p, params) for p in prompts])])
+        finally:
+            engine.shutdown()
+    assert results[0] == results[1]

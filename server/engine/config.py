@@ -15,6 +15,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     compile: bool = False                    # torch.compile the decode step before graph capture
     graph_buckets: tuple[int, ...] | None = None   # decode batch sizes captured; None: 1, 2, 4, ... max_batch
+    # Whole prompts up to these lengths are prefilled one sequence at a time, padded to the next
+    # length and (on a GPU) replayed from CUDA graphs; () prefills every prompt eagerly, packed.
+    prefill_graph_buckets: tuple[int, ...] = ()
 
     def buckets(self) -> tuple[int, ...]:
         if self.graph_buckets:

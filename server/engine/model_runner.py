@@ -16,6 +16,7 @@ import kernels
 from models import AttentionBatch, LoadedModel, forward_logits
 
 from .config import EngineConfig
+from .prefill_graphs import PrefillGraphs
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,13 @@ class ModelRunner:
             self._decode_model = torch.compile(forward_logits, dynamic=True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
+        self.prefill_graphs = None
+        if config.prefill_graph_buckets:
+            self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, config.prefill_graph_buckets, self.device)
         if self.device.type == "cuda" and config.cuda_graphs:
             self.capture(config.buckets())
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.capture()
 
     @property
     def kv_tokens(self) -> int:
@@ -184,19 +190,30 @@ class ModelRunner:
         graph.replay()
         return logits[:batch]
 
+    def _slots(self, seq, first: int, take: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(first, first + take)]
+
     @torch.inference_mode()
     def prefill(self, chunks) -> torch.Tensor:
         """Runs prompt chunks [(seq, n_tokens)]; returns logits of the last token of each chunk
         (the caller keeps only those of sequences whose prompt is now complete)."""
-        bs = self.block_size
+        graphs = self.prefill_graphs
+        if graphs is not None:
+            lengths = [graphs.bucket_for(seq, take) for seq, take in chunks]
+            if None not in lengths:
+                return torch.cat([graphs.run(seq, take, self._slots(seq, 0, take), length)
+                                  for (seq, take), length in zip(chunks, lengths)])
+        return self._prefill_packed(chunks)
+
+    def _prefill_packed(self, chunks) -> torch.Tensor:
         ids, positions, slots, starts, contexts = [], [], [], [0], []
         for seq, take in chunks:
             first = seq.num_cached
             tokens = seq.token_ids[first:first + take]
             ids.extend(tokens)
             positions.extend(range(first, first + take))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(first, first + take))
+            slots.extend(self._slots(seq, first, take))
             starts.append(starts[-1] + take)
             contexts.append(first)
         width = max(len(seq.block_table) for seq, _ in chunks)

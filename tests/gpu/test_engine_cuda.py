@@ -115,3 +115,29 @@ def test_seed_reproduces_text_on_the_gpu():
         assert crowd[0][0] != alone
     finally:
         engine.shutdown()
+
+
+@torch.inference_mode()
+def test_prefill_graphs_match_the_eager_packed_prefill():
+    loaded = load_model("random:smollm2-135m", dtype="bfloat16", device="cuda")
+    rng = random.Random()
+    lengths = (1, 17, 128, 300)
+
+    def run(buckets):
+        runner = ModelRunner(loaded, EngineConfig(max_batch=4, num_blocks=128, block_size=32, graph_buckets=(1,),
+                                                  prefill_graph_buckets=buckets), max_model_len=1024)
+        assert bool(runner.prefill_graphs and runner.prefill_graphs.graphs) == bool(buckets)
+        blocks = BlockManager(runner.num_blocks, runner.block_size)
+        out = []
+        for n in lengths:
+            seq = Sequence(f"s{n}", prompts[n], SamplingParams(), seed=0, detokenizer=None)
+            blocks.grow(seq.block_table, n)
+            out.append(runner.prefill([(seq, n)]).float())
+        return torch.cat(out), runner.kv_caches[3][0].float()
+
+    prompts = {n: [rng.randrange(10, 40000) for _ in range(n)] for n in lengths}
+    graphed, graphed_cache = run((16, 64, 128, 512))
+    packed, packed_cache = run(())
+    assert torch.isfinite(graphed).all()
+    assert (graphed - packed).norm() / packed.norm() < 1e-2
+    assert (graphed_cache - packed_cache).norm() / packed_cache.norm() < 1e-2
