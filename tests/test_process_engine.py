@@ -1,0 +1,57 @@
+"""The engine core in a process of its own: serving, aborts, and what a dead core does to the
+server side."""
+
+import asyncio
+import time
+
+import pytest
+
+from server.engine import EngineConfig, EngineDeadError, FinishEvent, ProcessEngine, SamplingParams
+
+from .helpers import run_all
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = ProcessEngine("random:tiny", config=EngineConfig(max_batch=4, num_blocks=64, block_size=16))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+def test_serves_requests_and_aborts_with_the_pool_back_at_idle(engine):
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    results = run_all(engine, [([5, 6, 7], params), ([8, 9], params, 2)])
+    (tokens, _, done), (_, _, aborted) = results
+    assert done.reason == "length" and len(tokens) == 8
+    assert aborted.reason == "abort"
+    assert engine.stats().kv_blocks_used == 0 and engine.stats().running == 0
+
+
+def test_a_dead_core_fails_open_streams_and_refuses_new_requests():
+    engine = ProcessEngine("random:tiny", config=EngineConfig(max_batch=2, num_blocks=128, block_size=16))
+    engine.start()
+    try:
+        async def main():
+            stream = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=1500, ignore_eos=True))
+            await stream.__anext__()                  # generating
+            engine._process.kill()
+            events = [e async for e in stream]
+            return events[-1]
+
+        finish = asyncio.run(main())
+        assert isinstance(finish, FinishEvent) and finish.reason == "error"
+        deadline = time.monotonic() + 10
+        while engine.error is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine.error and not engine.ready
+
+        async def again():
+            engine.add_request([1, 2], SamplingParams(max_new_tokens=2))
+
+        with pytest.raises(EngineDeadError):
+            asyncio.run(again())
+    finally:
+        engine.shutdown()
