@@ -51,6 +51,3 @@ class Workspace:
 
     def fits(self, batch: int, num_splits: int) -> bool:
         return batch <= self.max_batch and batch * num_splits <= self.capacity_rows and num_splits <= self.max_splits
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.partial_out, self.partial_lse, self.merge_counters))

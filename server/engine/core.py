@@ -60,12 +60,12 @@ class Inflight:
         self.seqs, self._host, self._count, self._with_logprobs, self._done = seqs, host, count, with_logprobs, done
 
     @classmethod
-    def launch(cls, seqs, ids: torch.Tensor, logprobs: torch.Tensor | None, host: torch.Tensor) -> "Inflight":
+    def launch(cls, seqs, ids: torch.Tensor, logprobs: torch.Tensor | None, host: torch.Tensor,
+               done: torch.cuda.Event | None) -> "Inflight":
+        """Starts the copy into pinned ``host``; ``done`` (an event, on a GPU) marks its end."""
         packed = ids.double() if logprobs is None else torch.cat([ids.double(), logprobs.double()])
         host[:packed.shape[0]].copy_(packed, non_blocking=True)
-        done = None
-        if ids.is_cuda:
-            done = torch.cuda.Event()
+        if done is not None:
             done.record()
         return cls(seqs, host, ids.shape[0], logprobs is not None, done)
 
@@ -90,8 +90,9 @@ class EngineCore:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens, self.max_model_len)
         pinned = loaded.device.type == "cuda"
-        self._readback = [torch.zeros(2 * config.max_batch, dtype=torch.float64, pin_memory=pinned)
-                          for _ in range(3)]
+        # two buffers for decode steps taking turns, one for prefills; each with its copy's event
+        self._readback = [(torch.zeros(2 * config.max_batch, dtype=torch.float64, pin_memory=pinned),
+                           torch.cuda.Event() if pinned else None) for _ in range(3)]
         self._inflight: Inflight | None = None
         self.steps = 0
         self.info = ModelInfo(loaded.name, self.max_model_len, self.runner.kv_tokens, config.block_size,
@@ -111,15 +112,14 @@ class EngineCore:
         ``MAX_FAILED_STEPS`` failures in a row (a broken device, say) end it."""
         failures = 0
         while True:
-            busy = self.scheduler.has_work() or self._inflight is not None
-            for kind, payload in _drain(inbox, block=not busy):
+            for kind, payload in _drain(inbox, block=not self.busy()):
                 if kind == "stop":
                     return
                 if kind == "add":
                     self.add(*payload)
                 elif kind == "abort":
                     self.abort(payload)
-            if not (self.scheduler.has_work() or self._inflight is not None):
+            if not self.busy():
                 continue
             try:
                 self._publish(self.step())
@@ -132,9 +132,12 @@ class EngineCore:
                 if failures >= MAX_FAILED_STEPS:
                     raise
 
+    def busy(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None
+
     def run_until_idle(self) -> None:
         """Steps until every request has finished (offline use: benchmarks, batch jobs)."""
-        while self.scheduler.has_work() or self._inflight is not None:
+        while self.busy():
             self._publish(self.step())
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
@@ -151,7 +154,7 @@ class EngineCore:
         if events:
             self.publish([(seq.request_id, ev) for seq, ev in events], self.stats())
 
-    def _unqueue(self, seq: Sequence) -> None:
+    def _mark_scheduled(self, seq: Sequence) -> None:
         if seq.first_scheduled is None:
             seq.first_scheduled = time.monotonic()
 
@@ -181,7 +184,7 @@ class EngineCore:
         for seq in work.seqs:
             seq.num_cached = seq.total_len
             seq.pending += 1
-        self._inflight = Inflight.launch(work.seqs, ids, logprobs, self._readback[self.steps % 2])
+        self._inflight = Inflight.launch(work.seqs, ids, logprobs, *self._readback[self.steps % 2])
         if inflight is not None:
             events += self._emit(inflight.seqs, *inflight.read())
         return events
@@ -192,7 +195,7 @@ class EngineCore:
 
     def _prefill(self, work: PrefillStep) -> list:
         for seq, _ in work.chunks:
-            self._unqueue(seq)
+            self._mark_scheduled(seq)
         logits = self.runner.prefill(work.chunks)
         ready = []
         for row, (seq, take) in enumerate(work.chunks):
@@ -208,7 +211,7 @@ class EngineCore:
         ids, logprobs = sample(logits, self._sampling_rows(seqs))
         for seq in seqs:
             seq.pending += 1
-        return self._emit(seqs, *Inflight.launch(seqs, ids, logprobs, self._readback[2]).read())
+        return self._emit(seqs, *Inflight.launch(seqs, ids, logprobs, *self._readback[2]).read())
 
     def _sampling_rows(self, seqs) -> SamplingRows:
         return SamplingRows(
@@ -274,7 +277,7 @@ class EngineCore:
         return events
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> FinishEvent:
-        self._unqueue(seq)
+        self._mark_scheduled(seq)
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -16,13 +16,18 @@ import kernels
 from models import AttentionBatch, LoadedModel, forward_logits
 
 from .config import EngineConfig
+from .graphs import capture_graphs
 from .prefill_graphs import PrefillGraphs
 
 log = logging.getLogger(__name__)
 
 
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_dim_of(config)
     per_layer = 2 * config.num_key_value_heads * block_size * head_dim * torch.finfo(dtype).bits // 8
     return per_layer * config.num_hidden_layers
 
@@ -38,7 +43,7 @@ class ModelRunner:
         cfg = self.model.config
         self.num_kv_heads = cfg.num_key_value_heads
         self.num_q_heads = cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim_of(cfg)
         self.num_layers = cfg.num_hidden_layers
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
 
@@ -94,7 +99,7 @@ class ModelRunner:
         # Two host buffers taking turns: one is rewritten while the other's copy may be pending.
         self._hosts = [torch.zeros(5 * n + n * self.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
                        for _ in range(2)]
-        self._copied = [None, None]               # event: that buffer's copy to the device is done
+        self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None   # each buffer's copy is done
         self._turn = 0
         self._packed = torch.zeros_like(self._hosts[0], device=self.device)
         self.input_ids = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
@@ -116,8 +121,8 @@ class ModelRunner:
         width = max(len(s.block_table) for s in seqs)
         self._turn ^= 1
         host = self._hosts[self._turn]
-        if self._copied[self._turn] is not None:
-            self._copied[self._turn].synchronize()
+        if self._copied is not None:
+            self._copied[self._turn].synchronize()          # returns at once if never recorded
         h = host.numpy()
         ids, src, pos = h[0:rows], h[n:n + rows], h[2 * n:2 * n + rows]
         slots, lens = h[3 * n:3 * n + rows], h[4 * n:4 * n + rows]
@@ -134,8 +139,7 @@ class ModelRunner:
             table[i, :len(s.block_table)] = s.block_table
         count = 5 * n + rows * width
         self._packed[:count].copy_(host[:count], non_blocking=True)
-        if self.device.type == "cuda":
-            self._copied[self._turn] = torch.cuda.Event()
+        if self._copied is not None:
             self._copied[self._turn].record()
         d = self._packed
         from_device = d[n:n + rows]
@@ -157,22 +161,11 @@ class ModelRunner:
     def bucket_for(self, batch: int) -> int | None:
         return min((b for b in self.graphs if b >= batch), default=None)
 
-    @torch.inference_mode()
     def capture(self, buckets) -> None:
         started = time.monotonic()
-        pool = None
-        for rows in sorted(buckets, reverse=True):        # largest first: smaller ones reuse its pool
-            self.slots[:rows].fill_(-1)
-            self.seq_lens[:rows].fill_(1)
-            for _ in range(2):
-                self._decode_forward(rows)                 # warm-up: lazy init, autotuning
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._decode_forward(rows)
-            pool = graph.pool()
-            self.graphs[rows] = (graph, logits)
-        torch.cuda.synchronize(self.device)
+        self.slots.fill_(-1)                               # capture writes nothing into the cache
+        self.seq_lens.fill_(1)
+        self.graphs = capture_graphs(self._decode_forward, buckets, self.device)
         self.capture_seconds = time.monotonic() - started
         log.info("captured decode graphs for batch sizes %s in %.1f s", sorted(self.graphs), self.capture_seconds)
 

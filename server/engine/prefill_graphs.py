@@ -13,6 +13,8 @@ import torch
 
 from models import AttentionBatch, forward_logits
 
+from .graphs import capture_graphs
+
 log = logging.getLogger(__name__)
 
 
@@ -44,21 +46,10 @@ class PrefillGraphs:
         return forward_logits(self.model, self.ids[:, :length], self.positions[:, :length], batch,
                               logits_rows=self.last)
 
-    @torch.inference_mode()
     def capture(self) -> None:
         started = time.monotonic()
-        self.slots.fill_(-1)
-        pool = None
-        for length in reversed(self.buckets):
-            for _ in range(2):
-                self._forward(length)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(length)
-            pool = graph.pool()
-            self.graphs[length] = (graph, logits)
-        torch.cuda.synchronize(self.device)
+        self.slots.fill_(-1)                               # capture writes nothing into the cache
+        self.graphs = capture_graphs(self._forward, self.buckets, self.device)
         self.capture_seconds = time.monotonic() - started
         log.info("captured prefill graphs for prompt lengths up to %s in %.1f s", self.buckets, self.capture_seconds)
 

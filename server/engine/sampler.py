@@ -25,10 +25,6 @@ class SamplingRows:
     history: list[list[int]] | None      # token ids seen, for rows with a repetition penalty
     want_logprobs: bool
 
-    @property
-    def all_greedy(self) -> bool:
-        return all(t <= 0 for t in self.temperature) and all(p == 1.0 for p in self.repetition_penalty)
-
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & MASK32

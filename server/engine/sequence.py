@@ -61,6 +61,3 @@ class Sequence:
         """Whether the token in flight is its last one (by max_new_tokens or the context)."""
         generated = len(self.output_ids) + self.pending
         return generated >= self.params.max_new_tokens or self.total_len >= max_model_len
-
-    def reserved_tokens(self) -> int:
-        return len(self.prompt_ids) + self.params.max_new_tokens
