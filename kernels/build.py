@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("flash_decode.cu", "binding.cpp")
+SOURCES = ("flash_decode.cu", "layer_ops.cu", "binding.cpp")
 EXTENSION_NAME = "flashdecode_ext"
 ARCH_FLAGS = ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
 NVCC_FLAGS = ["-O3", "-lineinfo", *ARCH_FLAGS]

@@ -56,6 +56,22 @@ def _register_fakes() -> None:
     def _write_kv_fake(k_cache, v_cache, key, value, slot_mapping):
         return None
 
+    @torch.library.register_fake("flashdecode::rms_norm")
+    def _rms_norm_fake(x, weight, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("flashdecode::add_rms_norm")
+    def _add_rms_norm_fake(x, residual, weight, eps):
+        return None
+
+    @torch.library.register_fake("flashdecode::silu_and_mul")
+    def _silu_and_mul_fake(x):
+        return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+    @torch.library.register_fake("flashdecode::rope_write_kv")
+    def _rope_write_kv_fake(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_q_heads):
+        return None
+
     _fakes_registered = True
 
 

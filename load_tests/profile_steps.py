@@ -52,8 +52,22 @@ def main(argv=None):
         core.step()                                   # the prefill
         return lambda: [core.step() for _ in range(steps)]
 
+    def prefill_many(n: int):
+        for _ in range(n):
+            core.add(f"p{next(counter)}", prompt, SamplingParams(max_new_tokens=1, ignore_eos=True), seed=0)
+        core.run_until_idle()
+
+    lengths = iter(range(args.prompt_len - 40, 10**9))
+
+    def prefill_new_length():
+        core.add(f"p{next(counter)}", list(range(1000, 1000 + next(lengths))),
+                 SamplingParams(max_new_tokens=1, ignore_eos=True), seed=0)
+        core.run_until_idle()
+
     prefill_one()
-    rows = [("prefill, 1 x %d tokens" % args.prompt_len, timed(prefill_one, 10))]
+    rows = [("prefill, 1 prompt of a length not seen before (~%d tokens)" % args.prompt_len,
+             timed(prefill_new_length, 10)),("prefill, 1 x %d tokens" % args.prompt_len, timed(prefill_one, 10)),
+            ("prefill, 8 x %d tokens" % args.prompt_len, timed(lambda: prefill_many(8), 5))]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         prefill_one()
     prof.export_chrome_trace(str(args.out / "prefill.json"))
@@ -65,6 +79,11 @@ def main(argv=None):
         run = decode_steps(batch, 40)
         elapsed = timed(run, 1) / 40
         rows.append((f"decode step, B={batch}", elapsed))
+        bucket = core.runner.bucket_for(batch)
+        if bucket is not None:
+            graph = core.runner.graphs[bucket][0]
+            rows.append((f"  its graph replayed alone (device time), B={batch}",
+                         timed(lambda: [graph.replay() for _ in range(50)], 3) / 50))
         run = decode_steps(batch, 5)
         run()                                         # past the first decode, which waits on nothing
         run = decode_steps(batch, 5)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -39,25 +40,37 @@ class AttentionBatch:
     context_lens: list[int] | None = None
 
 
-def _prefill(query, key, value, scale, batch: AttentionBatch, k_cache, v_cache):
-    out = torch.empty_like(query.transpose(1, 2))                  # [1, T, Hq, D]
+# Prompt lengths change with every request: backends that plan per shape (cuDNN builds a graph
+# for each new length) would pay that on every prefill.
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache) -> torch.Tensor:
+    """Causal attention of packed prompt chunks: ``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` (their keys
+    and values already in the cache); returns ``[T, Hq, D]``."""
+    out = q.new_zeros(q.shape)
+    with sdpa_kernel(PREFILL_BACKENDS, set_priority=True):
+        _prefill_chunks(out, q, k, v, scale, batch, k_cache, v_cache)
+    return out
+
+
+def _prefill_chunks(out, q, k, v, scale, batch: AttentionBatch, k_cache, v_cache) -> None:
     for i, (start, end) in enumerate(zip(batch.query_starts, batch.query_starts[1:])):
         context = batch.context_lens[i]
-        q = query[:, :, start:end]
+        qi = q[start:end].transpose(0, 1).unsqueeze(0)                        # [1, Hq, n, D]
         if context == 0:
-            k, v = key[:, :, start:end], value[:, :, start:end]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            ki, vi = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (k, v))
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # A later chunk of a long prompt: its queries see the cached tokens before it, and
             # causally each other (the causal diagonal aligned to the bottom right).
             total = context + end - start
             table = batch.block_tables[i:i + 1]
             group = q.shape[1] // k_cache.shape[1]
-            k = kernels.reference.gather_dense(k_cache, table, total).to(q.dtype).repeat_interleave(group, dim=1)
-            v = kernels.reference.gather_dense(v_cache, table, total).to(q.dtype).repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(end - start, total), scale=scale)
-        out[:, start:end] = o.transpose(1, 2)
-    return out
+            ki = kernels.reference.gather_dense(k_cache, table, total).to(q.dtype).repeat_interleave(group, dim=1)
+            vi = kernels.reference.gather_dense(v_cache, table, total).to(q.dtype).repeat_interleave(group, dim=1)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(end - start, total), scale=scale)
+        out[start:end] = o[0].transpose(0, 1)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -74,7 +87,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         out = kernels.flash_decode(query[:, :, 0], k_cache, v_cache, attn_batch.block_tables,
                                    attn_batch.seq_lens, scale=scaling, workspace=attn_batch.workspace)
         return out.unsqueeze(1), None
-    return _prefill(query, key, value, scaling, attn_batch, k_cache, v_cache), None
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))     # [T, H, D]
+    return prefill_attention(q, k, v, scaling, attn_batch, k_cache, v_cache).unsqueeze(0), None
 
 
 def register() -> None:

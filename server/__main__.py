@@ -24,6 +24,8 @@ ENGINE_FLAGS = {
     "max_batch": (int, "sequences decoded in one step"),
     "max_model_len": (int, "context length cap (default: the model's)"),
     "max_prefill_tokens": (int, "prompt tokens admitted per step"),
+    "prefill_delay_steps": (int, "decode steps an arriving prompt may wait, while others decode, to be "
+                                 "prefilled together with later arrivals (0: at once)"),
     "max_waiting_requests": (int, "queue bound in requests; past it requests get 429"),
     "max_waiting_tokens": (int, "queue bound in prompt + max_new tokens; past it requests get 429"),
 }

@@ -244,3 +244,39 @@ def test_engine_with_prefill_buckets_gives_the_same_tokens(tiny):
         finally:
             engine.shutdown()
     assert results[0] == results[1]
+
+
+def test_arrivals_wait_to_be_prefilled_together_while_others_decode():
+    from server.engine.scheduler import DecodeStep, PrefillStep, Scheduler
+    from server.engine.sequence import Sequence
+
+    def seq(name):
+        return Sequence(name, list(range(10, 30)), SamplingParams(max_new_tokens=100), seed=0, detokenizer=None)
+
+    def prefill(step):
+        for s, take in step.chunks:
+            s.num_cached += take
+            sched.prefill_done(s)
+
+    sched = Scheduler(BlockManager(64, 16), max_batch=8, max_prefill_tokens=4096, max_model_len=512,
+                      prefill_delay_steps=3)
+    sched.add(seq("first"))
+    step = sched.schedule()
+    assert isinstance(step, PrefillStep)                  # nothing decodes: no waiting
+    prefill(step)
+    sched.add(seq("a"))
+    kinds = []
+    for i in range(4):
+        if i == 1:
+            sched.add(seq("b"))
+        step = sched.schedule()
+        kinds.append(type(step).__name__)
+        if isinstance(step, PrefillStep):
+            assert [s.request_id for s, _ in step.chunks] == ["a", "b"]
+            prefill(step)
+    assert kinds == ["DecodeStep", "DecodeStep", "DecodeStep", "PrefillStep"]
+    # arrivals that fill every free row do not wait (but a prefill never follows a prefill)
+    for name in "cdefgh":
+        sched.add(seq(name))
+    assert isinstance(sched.schedule(), DecodeStep)
+    assert isinstance(sched.schedule(), PrefillStep)

@@ -39,8 +39,9 @@ def engine(ours):
     engine.shutdown()
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "transformers-layers"])
 @torch.inference_mode()
-def test_teacher_forced_logits_match_sdpa(ours, sdpa_model):
+def test_teacher_forced_logits_match_sdpa(ours, sdpa_model, fused):
     prompt = chat_ids(ours.tokenizer, PROMPTS[2])
     continuation = ours.tokenizer("The sky looks blue because air molecules scatter short blue wavelengths "
                                   "of sunlight far more than the longer red ones; this is Rayleigh scattering, "
@@ -51,7 +52,8 @@ def test_teacher_forced_logits_match_sdpa(ours, sdpa_model):
     full = torch.tensor([prompt + continuation])
     expected = sdpa_model(full).logits[0, len(prompt) - 1:-1]          # predicts each continuation token
 
-    runner = ModelRunner(ours, EngineConfig(max_batch=4, num_blocks=32, block_size=16), max_model_len=512)
+    runner = ModelRunner(ours, EngineConfig(max_batch=4, num_blocks=32, block_size=16, fused_layers=fused),
+                         max_model_len=512)
     blocks = BlockManager(runner.num_blocks, runner.block_size)
     seq = Sequence("tf", prompt, SamplingParams(), seed=0, detokenizer=None)
     blocks.grow(seq.block_table, seq.length)

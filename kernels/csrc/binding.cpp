@@ -1,4 +1,5 @@
-// torch.library registration of flashdecode::flash_decode and flashdecode::write_kv (CUDA).
+// torch.library registration of the flashdecode ops (CUDA): flash_decode and write_kv, and the
+// per-layer ops rms_norm, add_rms_norm, silu_and_mul and rope_write_kv.
 // kernels/ops.py validates inputs with readable errors and registers the fake (meta) kernels;
 // the checks here only guard the raw pointers for callers of torch.ops.flashdecode directly.
 
@@ -9,6 +10,7 @@
 #include <torch/library.h>
 
 #include "flash_decode.h"
+#include "layer_ops.h"
 
 namespace flashdecode {
 namespace {
@@ -143,6 +145,117 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key, c
   TORCH_CHECK(err == cudaSuccess, "write_kv launch failed: ", cudaGetErrorString(err));
 }
 
+DType dtype_of(const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, "expected bf16 or fp16, got ",
+              t.scalar_type());
+  return t.scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kHalf;
+}
+
+void check_rows(const at::Tensor& t, const char* name, int64_t width) {
+  TORCH_CHECK(t.dim() == 2 && t.size(1) == width && t.stride(1) == 1 && t.stride(0) % 8 == 0 && aligned16(t), name,
+              " must be [rows, ", width, "] with a contiguous last dim and 16-byte aligned rows");
+}
+
+void rms_norm_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+                   double eps) {
+  const int64_t hidden = weight.size(0);
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && hidden % 8 == 0 && aligned16(weight),
+              "weight must be contiguous [hidden], hidden a multiple of 8");
+  for (const at::Tensor* t : {&out, &weight}) check_cuda(*t, "rms_norm tensor", x.device());
+  check_rows(x, "x", hidden);
+  check_rows(out, "out", hidden);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "x, weight and out must share a dtype");
+  RmsNormParams p{};
+  p.out = out.data_ptr();
+  p.x = x.data_ptr();
+  if (residual != nullptr) {
+    check_cuda(*residual, "residual", x.device());
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && residual->scalar_type() == x.scalar_type(),
+                "residual must be contiguous and match x");
+    p.residual = residual->data_ptr();
+  }
+  p.weight = weight.data_ptr();
+  p.rows = x.size(0);
+  p.x_stride = x.stride(0);
+  p.out_stride = out.stride(0);
+  p.hidden = static_cast<int>(hidden);
+  p.eps = static_cast<float>(eps);
+  p.dtype = dtype_of(x);
+  c10::cuda::CUDAGuard guard(x.device());
+  const cudaError_t err = launch_rms_norm(p, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "rms_norm launch failed: ", cudaGetErrorString(err));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rms_norm_into(out, x, nullptr, weight, eps);
+  return out;
+}
+
+void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  rms_norm_into(x, x, &residual, weight, eps);
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0 && aligned16(x),
+              "x must be contiguous [rows, 2 * inter], inter a multiple of 8");
+  const int64_t inter = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), inter}, x.options());
+  SiluMulParams p{};
+  p.out = out.data_ptr();
+  p.in = x.data_ptr();
+  p.rows = x.size(0);
+  p.inter = static_cast<int>(inter);
+  p.dtype = dtype_of(x);
+  c10::cuda::CUDAGuard guard(x.device());
+  const cudaError_t err = launch_silu_and_mul(p, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "silu_and_mul launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin, at::Tensor& k_cache,
+                   at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_q_heads) {
+  const auto device = qkv.device();
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&positions, "positions"}, {&cos_sin, "cos_sin"},
+                         {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&slot_mapping, "slot_mapping"}})
+    check_cuda(*t, name, device);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
+                  v_cache.scalar_type() == qkv.scalar_type(),
+              "k_cache and v_cache must be contiguous [num_blocks, Hkv, block_size, D] of qkv's dtype");
+  const int64_t hkv = k_cache.size(1), bs = k_cache.size(2), d = k_cache.size(3), tokens = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_q_heads + 2 * hkv) * d && qkv.stride(1) == 1,
+              "qkv must be [T, (Hq + 2 Hkv) * D] with a contiguous last dim");
+  TORCH_CHECK(d % 2 == 0 && cos_sin.dim() == 2 && cos_sin.size(1) == d && cos_sin.is_contiguous() &&
+                  cos_sin.scalar_type() == at::kFloat,
+              "cos_sin must be contiguous float32 [max_positions, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 1 && positions.size(0) == tokens &&
+                  positions.is_contiguous(),
+              "positions must be contiguous int32 [T]");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens && slot_mapping.is_contiguous() &&
+                  (slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong),
+              "slot_mapping must be int32 or int64 [T]");
+  RopeKvParams p{};
+  p.qkv = qkv.data_ptr();
+  p.qkv_stride = qkv.stride(0);
+  p.positions = positions.data_ptr<int32_t>();
+  p.cos_sin = cos_sin.data_ptr<float>();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.slot_mapping = slot_mapping.data_ptr();
+  p.slots_are_int64 = slot_mapping.scalar_type() == at::kLong;
+  p.num_tokens = tokens;
+  p.num_q_heads = static_cast<int>(num_q_heads);
+  p.num_kv_heads = static_cast<int>(hkv);
+  p.head_dim = static_cast<int>(d);
+  p.block_size = static_cast<int>(bs);
+  p.dtype = dtype_of(qkv);
+  c10::cuda::CUDAGuard guard(device);
+  const cudaError_t err = launch_rope_write_kv(p, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "rope_write_kv launch failed: ", cudaGetErrorString(err));
+}
+
 }  // namespace
 }  // namespace flashdecode
 
@@ -152,9 +265,19 @@ TORCH_LIBRARY(flashdecode, m) {
       "int num_splits, Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) merge_counters, "
       "int merge_mode=2, int min_chunk=256) -> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def(
+      "rope_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+      "Tensor slot_mapping, int num_q_heads) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flashdecode, CUDA, m) {
   m.impl("flash_decode", &flashdecode::flash_decode);
   m.impl("write_kv", &flashdecode::write_kv);
+  m.impl("rms_norm", &flashdecode::rms_norm);
+  m.impl("add_rms_norm", &flashdecode::add_rms_norm);
+  m.impl("silu_and_mul", &flashdecode::silu_and_mul);
+  m.impl("rope_write_kv", &flashdecode::rope_write_kv);
 }

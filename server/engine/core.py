@@ -88,7 +88,8 @@ class EngineCore:
         started = time.monotonic()
         self.runner = ModelRunner(loaded, config, self.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens, self.max_model_len,
+                                   config.prefill_delay_steps)
         pinned = loaded.device.type == "cuda"
         # two buffers for decode steps taking turns, one for prefills; each with its copy's event
         self._readback = [(torch.zeros(2 * config.max_batch, dtype=torch.float64, pin_memory=pinned),

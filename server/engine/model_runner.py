@@ -6,6 +6,7 @@ bucket carry slot -1 (they write nothing) and length 1. The KV pool, the split w
 every static buffer are allocated once here.
 """
 
+import functools
 import logging
 import time
 
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 import kernels
-from models import AttentionBatch, LoadedModel, forward_logits
+from models import AttentionBatch, FusedLlama, LoadedModel, forward_logits, fused_unsupported_reason
 
 from .config import EngineConfig
 from .graphs import capture_graphs
@@ -58,20 +59,34 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.num_layers)]
         self._init_decode_buffers()
-        self._decode_model = forward_logits
+        self.forward = self._pick_forward(config)
+        self._decode_model = self.forward
         if config.compile and self.device.type == "cuda":
             # one dynamic-shape compile for every bucket, whose kernels the graphs below capture (measured
             # on the H200: compile and capture did not finish within 4 minutes, hence off by default)
-            self._decode_model = torch.compile(forward_logits, dynamic=True)
+            self._decode_model = torch.compile(self.forward, dynamic=True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.prefill_graphs = None
         if config.prefill_graph_buckets:
-            self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, config.prefill_graph_buckets, self.device)
+            self.prefill_graphs = PrefillGraphs(self.forward, self.kv_caches, config.prefill_graph_buckets, self.device)
         if self.device.type == "cuda" and config.cuda_graphs:
             self.capture(config.buckets())
             if self.prefill_graphs is not None:
                 self.prefill_graphs.capture()
+
+    def _pick_forward(self, config: EngineConfig):
+        reason = fused_unsupported_reason(self.model) if config.fused_layers else "turned off"
+        if reason is None:
+            try:
+                fused = FusedLlama(self.model, self.max_model_len)
+            except ValueError as e:
+                reason = str(e)
+            else:
+                log.info("decoder layers run fused: 10 launches per layer")
+                return fused
+        log.info("decoder layers run through transformers' modules (%s)", reason)
+        return functools.partial(forward_logits, self.model)
 
     @property
     def kv_tokens(self) -> int:
@@ -154,7 +169,7 @@ class ModelRunner:
                               self.seq_lens[:rows], is_decode=True, workspace=self.workspace)
 
     def _decode_forward(self, rows: int) -> torch.Tensor:
-        return self._decode_model(self.model, self.input_ids[:rows], self.positions[:rows], self._decode_batch(rows))
+        return self._decode_model(self.input_ids[:rows], self.positions[:rows], self._decode_batch(rows))
 
     # ---- CUDA graphs ----------------------------------------------------------------------
 
@@ -221,7 +236,7 @@ class ModelRunner:
                                is_decode=False, workspace=self.workspace,
                                query_starts=starts, context_lens=contexts)
         last_rows = to_dev([s - 1 for s in starts[1:]])
-        return forward_logits(self.model, to_dev(ids).unsqueeze(0), to_dev(positions).unsqueeze(0),
+        return self.forward(to_dev(ids).unsqueeze(0), to_dev(positions).unsqueeze(0),
                               batch, logits_rows=last_rows)
 
     def _to_device(self, values) -> torch.Tensor:

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from models import AttentionBatch, forward_logits
+from models import AttentionBatch
 
 from .graphs import capture_graphs
 
@@ -19,8 +19,8 @@ log = logging.getLogger(__name__)
 
 
 class PrefillGraphs:
-    def __init__(self, model, kv_caches, buckets, device: torch.device):
-        self.model = model
+    def __init__(self, forward, kv_caches, buckets, device: torch.device):
+        self.forward = forward                    # forward_logits' contract, the model bound
         self.kv_caches = kv_caches
         self.buckets = tuple(sorted(buckets))
         self.device = device
@@ -43,7 +43,7 @@ class PrefillGraphs:
     def _forward(self, length: int) -> torch.Tensor:
         batch = AttentionBatch(self.kv_caches, self.slots[:length], self._unused_table, self._unused_lens,
                                is_decode=False, query_starts=[0, length], context_lens=[0])
-        return forward_logits(self.model, self.ids[:, :length], self.positions[:, :length], batch,
+        return self.forward(self.ids[:, :length], self.positions[:, :length], batch,
                               logits_rows=self.last)
 
     def capture(self) -> None:

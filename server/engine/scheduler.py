@@ -1,8 +1,12 @@
 """Iteration-level scheduling: which sequences run in the next model step.
 
 A step is either a prefill (prompt chunks of waiting sequences, under a token budget) or a
-decode (one token for every running sequence). When both kinds of work exist the two
-alternate, so long prompts, cut into chunks, never stall the streams already decoding. When
+decode (one token for every running sequence). While streams are decoding, arrivals are
+gathered for up to ``prefill_delay_steps`` decode steps (or until they fill the token budget or
+the free batch rows) and prefilled together: a prefill's cost is mostly per step, not per prompt,
+so one prefill of eight prompts stalls the running streams about as long as one of one prompt
+(TGI's waiting_served_ratio / max_waiting_tokens follow the same idea). Prefill steps never run
+twice in a row while streams decode, so long prompts, cut into chunks, never stall them. When
 the pool cannot hold the next decode token, the newest running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed later.
 """
@@ -25,14 +29,17 @@ class DecodeStep:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, max_model_len: int):
+    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, max_model_len: int,
+                 prefill_delay_steps: int = 0):
         self.blocks = blocks
+        self.prefill_delay_steps = prefill_delay_steps
         self.max_model_len = max_model_len
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._last_was_prefill = False
+        self._decodes_since_prefill = 0
         self.preemptions = 0
 
     def has_work(self) -> bool:
@@ -43,17 +50,28 @@ class Scheduler:
 
     def prefill_turn(self) -> bool:
         """Whether the next step tries a prefill (so everything in flight must be known)."""
-        return (bool(self.waiting) and len(self.running) < self.max_batch
-                and not (self._last_was_prefill and self.running))
+        if not self.waiting or len(self.running) >= self.max_batch:
+            return False
+        if not self.running:
+            return True
+        if self._last_was_prefill:
+            return False
+        return (self._decodes_since_prefill >= self.prefill_delay_steps
+                or len(self.waiting) >= self.max_batch - len(self.running)
+                or sum(s.prefill_remaining for s in self.waiting) >= self.max_prefill_tokens)
 
     def schedule(self) -> PrefillStep | DecodeStep | None:
         if self.prefill_turn():
             step = self._schedule_prefill()
             if step is not None:
                 self._last_was_prefill = True
+                self._decodes_since_prefill = 0
                 return step
         self._last_was_prefill = False
-        return self._schedule_decode() if self.running else None
+        if not self.running:
+            return None
+        self._decodes_since_prefill += 1
+        return self._schedule_decode()
 
     def needs_sync(self) -> bool:
         """Whether the next decode needs every earlier token on the host (repetition penalty)."""

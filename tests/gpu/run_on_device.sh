@@ -33,7 +33,7 @@ if want tests; then
 fi
 if want profile; then
   stamp "step profile"
-  timeout 180 python3 -m load_tests.profile_steps --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log" | tail -12
+  timeout 180 python3 -m load_tests.profile_steps --batch 1 16 256 --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log" | tail -25
 fi
 if want kernel-bench; then
   stamp "kernel benchmark"
@@ -42,8 +42,9 @@ fi
 if want engine-bench; then
   stamp "engine benchmark"
   timeout 420 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m \
-      --batch 1 16 64 256 --long-batch 1 8 --hf default static --hf-long default --repeats 1 \
+      --batch 1 16 64 256 --long-batch 1 8 --hf ${HF-default static} --hf-long ${HF_LONG-default} --repeats 1 \
       --out "$OUT/engine_bench.json" 2>&1 | tee "$OUT/engine_bench.log" | grep -v '^{' | tail -30
+  cp "$OUT/engine_bench.json" /tmp/engine_bench.json 2>/dev/null
 fi
 if want compile; then
   stamp "engine with torch.compile"

@@ -19,9 +19,9 @@ pytestmark = [pytest.mark.gpu,
 
 
 @torch.inference_mode()
-def teacher_forced_logits(loaded, prompt, continuation, cuda_graphs):
+def teacher_forced_logits(loaded, prompt, continuation, cuda_graphs, fused=True):
     runner = ModelRunner(loaded, EngineConfig(max_batch=4, num_blocks=64, block_size=32, cuda_graphs=cuda_graphs,
-                                              graph_buckets=(1, 4)), max_model_len=1024)
+                                              graph_buckets=(1, 4), fused_layers=fused), max_model_len=1024)
     blocks = BlockManager(runner.num_blocks, runner.block_size)
     seq = Sequence("tf", prompt, SamplingParams(), seed=0, detokenizer=None)
     blocks.grow(seq.block_table, seq.length)
@@ -35,9 +35,10 @@ def teacher_forced_logits(loaded, prompt, continuation, cuda_graphs):
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "transformers-layers"])
 @pytest.mark.parametrize("preset", ["smollm2-135m", "llama-gqa128"])
 @torch.inference_mode()
-def test_teacher_forced_logits_within_bf16_error_of_transformers(preset):
+def test_teacher_forced_logits_within_bf16_error_of_transformers(preset, fused):
     """Tolerance: our bf16 error against an fp32 run of the same weights may be at most 3x the
     error of transformers' own bf16 SDPA run against that fp32 run (FlashAttention's criterion:
     both sides round the same bf16 weights and activations; only the attention differs)."""
@@ -56,10 +57,10 @@ def test_teacher_forced_logits_within_bf16_error_of_transformers(preset):
     theirs = hf_bf16(full).logits[0, len(prompt) - 1:-1].double()
     del hf_bf16
 
-    ours = teacher_forced_logits(loaded, prompt, continuation, cuda_graphs=True).double()
+    ours = teacher_forced_logits(loaded, prompt, continuation, cuda_graphs=True, fused=fused).double()
     their_err = (theirs - exact).abs().max().item()
     our_err = (ours - exact).abs().max().item()
-    print(f"{preset}: ours {our_err:.3e}, transformers bf16 {their_err:.3e}, |logits| {exact.abs().max():.3e}")
+    print(f"{preset} fused={fused}: ours {our_err:.3e}, transformers bf16 {their_err:.3e}, |logits| {exact.abs().max():.3e}")
     assert torch.isfinite(ours).all()
     assert our_err <= 3 * their_err + 1e-6
 

@@ -1,0 +1,175 @@
+// Per-layer kernels around attention. Each rounds to the storage type where transformers' Llama
+// modules round (after the residual add, after normalising, after SiLU), so the fused layer
+// follows the reference model's bf16 arithmetic instead of drifting from it.
+
+#include <algorithm>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "layer_ops.h"
+
+namespace flashdecode {
+namespace {
+
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+
+template <typename T> __device__ __forceinline__ float rounded(float v) { return to_float(from_float<T>(v)); }
+
+// Eight elements moved as one 16-byte access.
+template <typename T>
+struct alignas(16) Vec8 {
+  T v[8];
+};
+
+__device__ float block_sum(float v) {
+  __shared__ float warp_sums[32];
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  v = lane < blockDim.x / 32 ? warp_sums[lane] : 0.f;
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// One block per row. With a residual: residual = round(residual + x), out = norm(residual) * w.
+template <typename T, bool kResidual>
+__global__ void rms_norm_kernel(RmsNormParams p) {
+  const int64_t row = blockIdx.x;
+  const int vecs = p.hidden / 8;
+  const auto* x = reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.x) + row * p.x_stride);
+  auto* res = reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.residual) + row * p.hidden);
+  auto* out = reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.out) + row * p.out_stride);
+  const auto* w = reinterpret_cast<const Vec8<T>*>(p.weight);
+
+  float squares = 0.f;
+  for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
+    Vec8<T> a = x[i];
+    if constexpr (kResidual) {
+      const Vec8<T> r = res[i];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a.v[j] = from_float<T>(to_float(a.v[j]) + to_float(r.v[j]));
+      res[i] = a;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) squares += to_float(a.v[j]) * to_float(a.v[j]);
+  }
+  const float inv_rms = rsqrtf(block_sum(squares) / p.hidden + p.eps);
+  for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
+    // Each thread rereads only what it wrote itself above, and x is not read after the barrier.
+    const Vec8<T> a = kResidual ? res[i] : x[i];
+    const Vec8<T> g = w[i];
+    Vec8<T> o;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o.v[j] = from_float<T>(to_float(g.v[j]) * rounded<T>(to_float(a.v[j]) * inv_rms));
+    out[i] = o;
+  }
+}
+
+template <typename T>
+__global__ void silu_and_mul_kernel(SiluMulParams p) {
+  const int vecs = p.inter / 8;
+  const int64_t total = p.rows * vecs;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / vecs;
+    const int col = static_cast<int>(i % vecs);
+    const auto* in = reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.in) + row * 2 * p.inter);
+    const Vec8<T> gate = in[col], up = in[vecs + col];
+    Vec8<T> o;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float g = to_float(gate.v[j]);
+      o.v[j] = from_float<T>(rounded<T>(g / (1.f + expf(-g))) * to_float(up.v[j]));
+    }
+    reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.out) + row * p.inter)[col] = o;
+  }
+}
+
+// One block per token: rotates its query and key heads in place (rotate-half convention), then
+// stores the rotated key and the value at the token's cache slot.
+template <typename T>
+__global__ void rope_write_kv_kernel(RopeKvParams p) {
+  const int64_t t = blockIdx.x;
+  T* row = static_cast<T*>(p.qkv) + t * p.qkv_stride;
+  const int d = p.head_dim, half = d / 2;
+  const float* cos = p.cos_sin + int64_t(p.positions[t]) * d;
+  const float* sin = cos + half;
+  const int64_t slot = p.slots_are_int64 ? static_cast<const int64_t*>(p.slot_mapping)[t]
+                                         : static_cast<const int32_t*>(p.slot_mapping)[t];
+  const int64_t block = slot / p.block_size, offset = slot % p.block_size;
+  auto cache_row = [&](T* cache, int kv_head) {
+    return cache + ((block * p.num_kv_heads + kv_head) * p.block_size + offset) * d;
+  };
+  T* k_cache = static_cast<T*>(p.k_cache);
+  T* v_cache = static_cast<T*>(p.v_cache);
+
+  const int rotated = (p.num_q_heads + p.num_kv_heads) * half;
+  for (int i = threadIdx.x; i < rotated; i += blockDim.x) {
+    const int head = i / half, j = i % half;
+    T* h = row + head * d;
+    const float x1 = to_float(h[j]), x2 = to_float(h[j + half]);
+    const T y1 = from_float<T>(x1 * cos[j] - x2 * sin[j]);
+    const T y2 = from_float<T>(x2 * cos[j] + x1 * sin[j]);
+    h[j] = y1;
+    h[j + half] = y2;
+    if (head >= p.num_q_heads && slot >= 0) {
+      T* dst = cache_row(k_cache, head - p.num_q_heads);
+      dst[j] = y1;
+      dst[j + half] = y2;
+    }
+  }
+  if (slot < 0) return;
+  const T* value = row + (p.num_q_heads + p.num_kv_heads) * d;
+  for (int i = threadIdx.x; i < p.num_kv_heads * d; i += blockDim.x) cache_row(v_cache, i / d)[i % d] = value[i];
+}
+
+constexpr int kThreads = 128;
+
+template <typename T>
+cudaError_t rms_norm_typed(const RmsNormParams& p, cudaStream_t stream) {
+  if (p.residual != nullptr)
+    rms_norm_kernel<T, true><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
+  else
+    rms_norm_kernel<T, false><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t silu_and_mul_typed(const SiluMulParams& p, cudaStream_t stream) {
+  const int64_t vecs = p.rows * (p.inter / 8);
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((vecs + kThreads - 1) / kThreads, 65535));
+  silu_and_mul_kernel<T><<<blocks, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;
+  return p.dtype == DType::kBFloat16 ? rms_norm_typed<__nv_bfloat16>(p, stream) : rms_norm_typed<__half>(p, stream);
+}
+
+cudaError_t launch_silu_and_mul(const SiluMulParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;
+  return p.dtype == DType::kBFloat16 ? silu_and_mul_typed<__nv_bfloat16>(p, stream)
+                                     : silu_and_mul_typed<__half>(p, stream);
+}
+
+cudaError_t launch_rope_write_kv(const RopeKvParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>(p.num_tokens);
+  if (p.dtype == DType::kBFloat16)
+    rope_write_kv_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(p);
+  else
+    rope_write_kv_kernel<__half><<<blocks, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace flashdecode

@@ -1,0 +1,50 @@
+// Plain-C++ interface of the small per-layer kernels (layer_ops.cu) that, with the attention
+// kernels, make a decoder layer's decode step ten launches: RMSNorm (optionally fused with the
+// residual add), rotary embedding fused with the KV-cache write, and SiLU-and-multiply.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "flash_decode.h"
+
+namespace flashdecode {
+
+struct RmsNormParams {
+  void* out;                 // [rows, hidden], row stride out_stride (elements); may alias x
+  const void* x;             // [rows, hidden], row stride x_stride
+  void* residual;            // [rows, hidden] contiguous, or null: with it, residual += x, then out = norm(residual)
+  const void* weight;        // [hidden]
+  int64_t rows, x_stride, out_stride;
+  int hidden;                // a multiple of 8
+  float eps;
+  DType dtype;
+};
+
+struct SiluMulParams {
+  void* out;                 // [rows, inter] contiguous
+  const void* in;            // [rows, 2 * inter] contiguous: gate then up
+  int64_t rows;
+  int inter;                 // a multiple of 8
+  DType dtype;
+};
+
+struct RopeKvParams {
+  void* qkv;                 // [T, (Hq + 2 Hkv) * D], row stride qkv_stride: q and k rotated in place
+  int64_t qkv_stride;
+  const int32_t* positions;  // [T]
+  const float* cos_sin;      // [max_positions, D]: cos of the D/2 frequencies, then their sin
+  void* k_cache;             // [num_blocks, Hkv, block_size, D] contiguous
+  void* v_cache;
+  const void* slot_mapping;  // [T] int32 or int64; a negative slot writes nothing
+  bool slots_are_int64;
+  int64_t num_tokens;
+  int num_q_heads, num_kv_heads, head_dim, block_size;
+  DType dtype;
+};
+
+cudaError_t launch_rms_norm(const RmsNormParams& params, cudaStream_t stream);
+cudaError_t launch_silu_and_mul(const SiluMulParams& params, cudaStream_t stream);
+cudaError_t launch_rope_write_kv(const RopeKvParams& params, cudaStream_t stream);
+
+}  // namespace flashdecode

@@ -1,0 +1,126 @@
+"""The per-layer CUDA ops (RMSNorm, add + RMSNorm, SiLU-and-multiply, rotary embedding with the
+KV-cache write) against float64 (GPU only).
+
+Criterion as for attention: the kernel's max error against float64 is at most twice that of the
+same computation done by PyTorch in the low precision (plus one ulp of slack for the final
+rounding); outputs are poisoned with NaN first; inputs are fresh random each run.
+"""
+
+import os
+
+import pytest
+import torch
+
+from kernels import layer_ops
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SEED = int.from_bytes(os.urandom(4), "little")
+DEVICE = torch.device("cuda")
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    seed = (SEED + hash(request.node.name)) % 2**31
+    torch.manual_seed(seed)
+    request.node.user_properties.append(("seed", seed))
+
+
+def ulp(dtype, magnitude):
+    return torch.finfo(dtype).eps * magnitude
+
+
+def check(ours, theirs, exact, dtype):
+    assert torch.isfinite(ours).all()
+    our_err = (ours.double() - exact).abs().max().item()
+    their_err = (theirs.double() - exact).abs().max().item()
+    assert our_err <= 2 * their_err + ulp(dtype, exact.abs().max().item()), (our_err, their_err)
+
+
+def rms_norm64(x, weight, eps):
+    x = x.double()
+    return weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (7, 576), (256, 576), (3, 4096), (33, 8192)])
+def test_rms_norm(rows, hidden, dtype):
+    x = torch.randn(rows, hidden, device=DEVICE, dtype=dtype) * 3
+    weight = torch.randn(hidden, device=DEVICE, dtype=dtype)
+    ours = layer_ops.rms_norm(x, weight, 1e-5)
+    theirs = layer_ops._rms_norm_torch(x, weight, 1e-5)
+    check(ours, theirs, rms_norm64(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (64, 576), (5, 4096)])
+def test_add_rms_norm_updates_both_in_place(rows, hidden, dtype):
+    x = torch.randn(rows, hidden, device=DEVICE, dtype=dtype)
+    residual = torch.randn(rows, hidden, device=DEVICE, dtype=dtype)
+    weight = torch.randn(hidden, device=DEVICE, dtype=dtype)
+    exact_residual = residual.double() + x.double()
+    exact = rms_norm64(exact_residual, weight, 1e-6)
+    their_residual = residual + x
+    theirs = layer_ops._rms_norm_torch(their_residual, weight, 1e-6)
+    x_ours, res_ours = x.clone(), residual.clone()
+    layer_ops.add_rms_norm(x_ours, res_ours, weight, 1e-6)
+    assert torch.equal(res_ours, their_residual)          # one rounding of the sum, as PyTorch's
+    check(x_ours, theirs, exact, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (100, 1536), (3, 14336)])
+def test_silu_and_mul(rows, inter, dtype):
+    x = torch.randn(rows, 2 * inter, device=DEVICE, dtype=dtype) * 4
+    gate, up = x.double().chunk(2, dim=-1)
+    exact = gate * torch.sigmoid(gate) * up
+    check(layer_ops.silu_and_mul(x), layer_ops.silu_and_mul(x.cpu()).to(DEVICE), exact, dtype)
+
+
+def rotary_table(max_positions, head_dim):
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_rope_write_kv(hq, hkv, d, dtype, slot_dtype):
+    tokens, block_size, num_blocks, max_positions = 37, 16, 8, 4096
+    table64 = rotary_table(max_positions, d)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, device=DEVICE, dtype=dtype)
+    positions = torch.randint(0, max_positions, (tokens,), device=DEVICE, dtype=torch.int32)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens].to(slot_dtype)
+    slots[::5] = -1                                       # padding rows write nothing
+    k_cache = torch.full((num_blocks, hkv, block_size, d), float("nan"), device=DEVICE, dtype=dtype)
+    v_cache = k_cache.clone()
+
+    heads = qkv.double().unflatten(1, (-1, d))
+    cs = table64.to(DEVICE)[positions.long()].unsqueeze(1)
+    half = d // 2
+    x1, x2 = heads[:, :hq + hkv, :half], heads[:, :hq + hkv, half:]
+    exact = torch.cat([x1 * cs[..., :half] - x2 * cs[..., half:], x2 * cs[..., :half] + x1 * cs[..., half:]], -1)
+
+    # PyTorch in the low precision, as transformers' apply_rotary_pos_emb does it
+    low = qkv.unflatten(1, (-1, d))[:, :hq + hkv]
+    cos = cs[..., :half].repeat(1, 1, 2).to(dtype)
+    sin = cs[..., half:].repeat(1, 1, 2).to(dtype)
+    theirs = low * cos + torch.cat([-low[..., half:], low[..., :half]], dim=-1) * sin
+
+    ours = qkv.clone()
+    layer_ops.rope_write_kv(ours, positions, table64.float().to(DEVICE), k_cache, v_cache, slots, hq)
+    ours_heads = ours.unflatten(1, (-1, d))
+    check(ours_heads[:, :hq + hkv], theirs, exact, dtype)
+    assert torch.equal(ours_heads[:, hq + hkv:], qkv.unflatten(1, (-1, d))[:, hq + hkv:])   # values untouched
+
+    written = slots >= 0
+    s = slots[written].long()
+    blocks, rows = s // block_size, s % block_size
+    assert torch.equal(k_cache[blocks, :, rows], ours_heads[written, hq:hq + hkv])
+    assert torch.equal(v_cache[blocks, :, rows], ours_heads[written, hq + hkv:])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[s] = False
+    for cache in (k_cache, v_cache):
+        assert torch.isnan(cache.transpose(1, 2).reshape(-1, hkv, d)[untouched]).all()
