@@ -1,5 +1,6 @@
 """The small per-layer ops around attention: RMSNorm (optionally fused with the residual add),
-SiLU-and-multiply, and rotary embedding fused with the KV-cache write.
+SiLU-and-multiply, rotary embedding fused with the KV-cache write, and the projections of a
+decode step's few rows (a GEMV that can also apply SiLU-and-multiply to its input).
 
 CUDA tensors run the kernels in ``csrc/layer_ops.cu`` (ops ``torch.ops.flashdecode.*``); CPU
 tensors run the same arithmetic in PyTorch. Rounding follows transformers' Llama modules.
@@ -47,6 +48,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.flashdecode.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# Rows up to which a projection runs our GEMV instead of cuBLAS (kernels/results/h200_layer_ops.md).
+GEMV_MAX_ROWS = 8
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (no bias)."""
+    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
+        _load(x.device)
+        return torch.ops.flashdecode.gemv(x, weight, False)
+    return F.linear(x, weight)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul(gate_up) @ weight.T``: the MLP's down projection, fused for a few rows."""
+    if gate_up.is_cuda and gate_up.shape[0] <= GEMV_MAX_ROWS:
+        _load(gate_up.device)
+        return torch.ops.flashdecode.gemv(gate_up, weight, True)
+    return F.linear(silu_and_mul(gate_up), weight)
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,

@@ -68,6 +68,10 @@ def _register_fakes() -> None:
     def _silu_and_mul_fake(x):
         return x.new_empty(x.shape[0], x.shape[1] // 2)
 
+    @torch.library.register_fake("flashdecode::gemv")
+    def _gemv_fake(x, w, silu_mul=False):
+        return x.new_empty(x.shape[0], w.shape[0])
+
     @torch.library.register_fake("flashdecode::rope_write_kv")
     def _rope_write_kv_fake(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_q_heads):
         return None

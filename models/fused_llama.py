@@ -5,7 +5,8 @@ and gate, up projections; RMSNorm and rotary embedding as chains of elementwise 
 CUDA graph each launch still costs ~2 us, which at batch 1 is most of a step. This runs the same
 weights as: norm fused with the residual add, one QKV matmul, rotary embedding fused with the
 KV-cache write, attention over the paged cache, the output projection, norm, one gate/up matmul,
-SiLU-and-multiply, the down projection. The q/k/v and gate/up weights are concatenated once and
+SiLU-and-multiply, the down projection (for a decode step's few rows the projections are our GEMV,
+the last one applying SiLU-and-multiply to its input: eight launches). The q/k/v and gate/up weights are concatenated once and
 the model's own modules are pointed at views of them, so the model keeps working and holds one copy.
 """
 
@@ -102,7 +103,7 @@ class FusedLlama:
                 residual, hidden = hidden, layer_ops.rms_norm(hidden, norm_in, self.eps)
             else:
                 layer_ops.add_rms_norm(hidden, residual, norm_in, self.eps)
-            qkv = F.linear(hidden, qkv_w)
+            qkv = layer_ops.linear(hidden, qkv_w)
             layer_ops.rope_write_kv(qkv, positions, self.cos_sin, k_cache, v_cache, batch.slot_mapping, hq)
             q = qkv[:, :hq * d].unflatten(1, (hq, d))
             if batch.is_decode:
@@ -112,10 +113,10 @@ class FusedLlama:
                 k = qkv[:, hq * d:(hq + hkv) * d].unflatten(1, (hkv, d))
                 v = qkv[:, (hq + hkv) * d:].unflatten(1, (hkv, d))
                 attn = prefill_attention(q, k, v, self.scale, batch, k_cache, v_cache)
-            hidden = F.linear(attn.reshape(tokens, hq * d), o_w)
+            hidden = layer_ops.linear(attn.reshape(tokens, hq * d), o_w)
             layer_ops.add_rms_norm(hidden, residual, norm_post, self.eps)
-            hidden = F.linear(layer_ops.silu_and_mul(F.linear(hidden, gate_up_w)), down_w)
+            hidden = layer_ops.silu_mul_linear(layer_ops.linear(hidden, gate_up_w), down_w)
         layer_ops.add_rms_norm(hidden, residual, self.final_norm, self.eps)
         if logits_rows is not None:
             hidden = hidden[logits_rows]
-        return F.linear(hidden, self.lm_head)
+        return layer_ops.linear(hidden, self.lm_head)

@@ -1,5 +1,5 @@
 // torch.library registration of the flashdecode ops (CUDA): flash_decode and write_kv, and the
-// per-layer ops rms_norm, add_rms_norm, silu_and_mul and rope_write_kv.
+// per-layer ops rms_norm, add_rms_norm, silu_and_mul, gemv and rope_write_kv.
 // kernels/ops.py validates inputs with readable errors and registers the fake (meta) kernels;
 // the checks here only guard the raw pointers for callers of torch.ops.flashdecode directly.
 
@@ -197,6 +197,31 @@ void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
   rms_norm_into(x, x, &residual, weight, eps);
 }
 
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, bool silu_mul) {
+  check_cuda(w, "w", x.device());
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) % 8 == 0 && aligned16(w) &&
+                  w.scalar_type() == x.scalar_type(),
+              "w must be contiguous [n, k] of x's dtype, k a multiple of 8");
+  const int64_t n = w.size(0), k = w.size(1), rows = x.size(0);
+  check_rows(x, "x", silu_mul ? 2 * k : k);
+  TORCH_CHECK(rows <= kGemvMaxRows, "gemv serves at most ", kGemvMaxRows, " rows, got ", rows);
+  at::Tensor y = at::empty({rows, n}, x.options());
+  GemvParams p{};
+  p.y = y.data_ptr();
+  p.x = x.data_ptr();
+  p.x_stride = x.stride(0);
+  p.w = w.data_ptr();
+  p.rows = static_cast<int>(rows);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.silu_mul = silu_mul;
+  p.dtype = dtype_of(x);
+  c10::cuda::CUDAGuard guard(x.device());
+  const cudaError_t err = launch_gemv(p, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "gemv launch failed: ", cudaGetErrorString(err));
+  return y;
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0 && aligned16(x),
               "x must be contiguous [rows, 2 * inter], inter a multiple of 8");
@@ -268,6 +293,7 @@ TORCH_LIBRARY(flashdecode, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gemv(Tensor x, Tensor w, bool silu_mul=False) -> Tensor");
   m.def(
       "rope_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor slot_mapping, int num_q_heads) -> ()");
@@ -279,5 +305,6 @@ TORCH_LIBRARY_IMPL(flashdecode, CUDA, m) {
   m.impl("rms_norm", &flashdecode::rms_norm);
   m.impl("add_rms_norm", &flashdecode::add_rms_norm);
   m.impl("silu_and_mul", &flashdecode::silu_and_mul);
+  m.impl("gemv", &flashdecode::gemv);
   m.impl("rope_write_kv", &flashdecode::rope_write_kv);
 }

@@ -130,7 +130,76 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
   for (int i = threadIdx.x; i < p.num_kv_heads * d; i += blockDim.x) cache_row(v_cache, i / d)[i % d] = value[i];
 }
 
+// y = x W^T for a few rows (a decode step's batch): latency, not arithmetic, bounds these, and
+// cuBLAS's GEMM kernels spend ~4 us on a 1 MB weight. One warp per output column streams its
+// weight row with 16-byte loads; the rows of x (a few KB) come from L1.
+template <typename T, int kRows, bool kSiluMul>
+__global__ void gemv_kernel(GemvParams p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int col = blockIdx.x * (blockDim.x / 32) + warp;
+  if (col >= p.n) return;
+  const int vecs = p.k / 8;
+  const auto* w = reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.w) + int64_t(col) * p.k);
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+  for (int i = lane; i < vecs; i += 32) {
+    const Vec8<T> wv = w[i];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const T* row = static_cast<const T*>(p.x) + r * p.x_stride;
+      const Vec8<T> a = reinterpret_cast<const Vec8<T>*>(row)[i];
+      float in[8];
+      if constexpr (kSiluMul) {
+        const Vec8<T> up = reinterpret_cast<const Vec8<T>*>(row + p.k)[i];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float g = to_float(a.v[j]);
+          in[j] = rounded<T>(rounded<T>(g / (1.f + expf(-g))) * to_float(up.v[j]));
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) in[j] = to_float(a.v[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[r] = fmaf(in[j], to_float(wv.v[j]), acc[r]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    float v = acc[r];
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    if (lane == 0) static_cast<T*>(p.y)[int64_t(r) * p.n + col] = from_float<T>(v);
+  }
+}
+
 constexpr int kThreads = 128;
+constexpr int kGemvWarps = 4;
+
+template <typename T, int kRows>
+cudaError_t gemv_rows(const GemvParams& p, cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>((p.n + kGemvWarps - 1) / kGemvWarps);
+  if (p.silu_mul)
+    gemv_kernel<T, kRows, true><<<blocks, kGemvWarps * 32, 0, stream>>>(p);
+  else
+    gemv_kernel<T, kRows, false><<<blocks, kGemvWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t gemv_typed(const GemvParams& p, cudaStream_t stream) {
+  switch (p.rows) {
+    case 1: return gemv_rows<T, 1>(p, stream);
+    case 2: return gemv_rows<T, 2>(p, stream);
+    case 3: return gemv_rows<T, 3>(p, stream);
+    case 4: return gemv_rows<T, 4>(p, stream);
+    case 5: return gemv_rows<T, 5>(p, stream);
+    case 6: return gemv_rows<T, 6>(p, stream);
+    case 7: return gemv_rows<T, 7>(p, stream);
+    case 8: return gemv_rows<T, 8>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
 
 template <typename T>
 cudaError_t rms_norm_typed(const RmsNormParams& p, cudaStream_t stream) {
@@ -150,6 +219,11 @@ cudaError_t silu_and_mul_typed(const SiluMulParams& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+cudaError_t launch_gemv(const GemvParams& p, cudaStream_t stream) {
+  if (p.rows == 0 || p.n == 0) return cudaSuccess;
+  return p.dtype == DType::kBFloat16 ? gemv_typed<__nv_bfloat16>(p, stream) : gemv_typed<__half>(p, stream);
+}
 
 cudaError_t launch_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;

@@ -43,6 +43,20 @@ struct RopeKvParams {
   DType dtype;
 };
 
+struct GemvParams {
+  void* y;                   // [rows, n] contiguous
+  const void* x;             // [rows, k] (or [rows, 2 k]: gate then up, with silu_mul), row stride x_stride
+  int64_t x_stride;
+  const void* w;             // [n, k] contiguous (an nn.Linear weight)
+  int rows, n, k;            // rows <= kGemvMaxRows, k a multiple of 8
+  bool silu_mul;             // x holds [gate | up]: the input row is silu(gate) * up, rounded as silu_and_mul
+  DType dtype;
+};
+
+// Most rows a GEMV launch serves: each weight row is read once and used for every input row.
+constexpr int kGemvMaxRows = 8;
+
+cudaError_t launch_gemv(const GemvParams& params, cudaStream_t stream);
 cudaError_t launch_rms_norm(const RmsNormParams& params, cudaStream_t stream);
 cudaError_t launch_silu_and_mul(const SiluMulParams& params, cudaStream_t stream);
 cudaError_t launch_rope_write_kv(const RopeKvParams& params, cudaStream_t stream);

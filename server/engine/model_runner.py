@@ -234,7 +234,7 @@ class ModelRunner:
         to_dev = self._to_device
         batch = AttentionBatch(self.kv_caches, to_dev(slots), to_dev(table), to_dev(lens),
                                is_decode=False, workspace=self.workspace,
-                               query_starts=starts, context_lens=contexts)
+                               query_starts=starts, context_lens=contexts, cu_query_starts=to_dev(starts))
         last_rows = to_dev([s - 1 for s in starts[1:]])
         return self.forward(to_dev(ids).unsqueeze(0), to_dev(positions).unsqueeze(0),
                               batch, logits_rows=last_rows)

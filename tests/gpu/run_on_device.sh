@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one command, logs under $OUT and a short table last.
 #
-#   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [engine-bench] [compile]
+#   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench] [compile]
 #       [http] [http-prefill-graphs]
 #
 # With no stage named, all run. On a host without the web stack, wheels in .whl/ are installed
@@ -16,7 +16,7 @@ if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-stages=${*:-tests profile kernel-bench engine-bench compile http}
+stages=${*:-tests profile kernel-bench layer-bench engine-bench compile http}
 want() { [[ " $stages " == *" $1 "* ]]; }
 summary=()
 t0=$(date +%s)
@@ -38,6 +38,10 @@ fi
 if want kernel-bench; then
   stamp "kernel benchmark"
   timeout 300 python3 -m kernels.bench --out "$OUT" 2>&1 | tee "$OUT/kernel_bench.log" | tail -40
+fi
+if want layer-bench; then
+  stamp "projection benchmark"
+  timeout 200 python3 -m kernels.bench_layer_ops --out "$OUT" 2>&1 | tee "$OUT/layer_bench.log" | tail -40
 fi
 if want engine-bench; then
   stamp "engine benchmark"

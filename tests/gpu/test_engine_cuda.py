@@ -142,3 +142,30 @@ def test_prefill_graphs_match_the_eager_packed_prefill():
     assert torch.isfinite(graphed).all()
     assert (graphed - packed).norm() / packed.norm() < 1e-2
     assert (graphed_cache - packed_cache).norm() / packed_cache.norm() < 1e-2
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128)])
+def test_varlen_prefill_attention_matches_one_call_per_prompt(hq, hkv, d):
+    from models.attention import AttentionBatch, prefill_attention
+
+    lengths = [1, 17, 128, 300]
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], hq, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(starts[-1], hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    batch = AttentionBatch([], None, None, None, is_decode=False, query_starts=starts, context_lens=[0] * len(lengths))
+    looped = prefill_attention(q, k, v, d ** -0.5, batch, None, None)
+    batch.cu_query_starts = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    varlen = prefill_attention(q, k, v, d ** -0.5, batch, None, None)
+    exact = torch.empty(q.shape, dtype=torch.float64, device="cuda")
+    for start, end in zip(starts, starts[1:]):
+        qi, ki, vi = (t[start:end].double().transpose(0, 1) for t in (q, k, v))
+        ki, vi = (t.repeat_interleave(hq // hkv, dim=0) for t in (ki, vi))
+        scores = (qi @ ki.transpose(1, 2)) * d ** -0.5
+        scores.masked_fill_(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        exact[start:end] = (scores.softmax(-1) @ vi).transpose(0, 1)
+    looped_err = (looped.double() - exact).abs().max().item()
+    varlen_err = (varlen.double() - exact).abs().max().item()
+    assert torch.isfinite(varlen).all()
+    assert varlen_err <= 2 * looped_err + 1e-3, (varlen_err, looped_err)

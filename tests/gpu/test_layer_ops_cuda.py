@@ -124,3 +124,35 @@ def test_rope_write_kv(hq, hkv, d, dtype, slot_dtype):
     untouched[s] = False
     for cache in (k_cache, v_cache):
         assert torch.isnan(cache.transpose(1, 2).reshape(-1, hkv, d)[untouched]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (6144, 4096), (100, 40)])
+def test_gemv(rows, n, k, dtype):
+    x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
+    w = torch.randn(n, k, device=DEVICE, dtype=dtype) / k ** 0.5
+    exact = x.double() @ w.double().T
+    ours = torch.ops.flashdecode.gemv(x, w, False)
+    check(ours, torch.nn.functional.linear(x, w), exact, dtype)
+    assert torch.equal(layer_ops.linear(x, w), ours)        # the entry point takes the GEMV here
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_gemv_with_silu_and_mul_input(rows, dtype):
+    n, k = 576, 1536
+    gate_up = torch.randn(rows, 2 * k, device=DEVICE, dtype=dtype) * 2
+    w = torch.randn(n, k, device=DEVICE, dtype=dtype) / k ** 0.5
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    exact = (gate * torch.sigmoid(gate) * up) @ w.double().T
+    theirs = torch.nn.functional.linear(layer_ops.silu_and_mul(gate_up), w)
+    check(torch.ops.flashdecode.gemv(gate_up, w, True), theirs, exact, dtype)
+
+
+def test_gemv_rejects_too_many_rows_and_the_entry_point_falls_back():
+    x = torch.randn(layer_ops.GEMV_MAX_ROWS + 1, 64, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="at most"):
+        torch.ops.flashdecode.gemv(x, w, False)
+    assert torch.equal(layer_ops.linear(x, w), torch.nn.functional.linear(x, w))
