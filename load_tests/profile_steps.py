@@ -5,6 +5,9 @@ the top host and device operations (torch.profiler), with a Chrome trace per ste
 """
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -27,6 +30,18 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def steady_decode(core, batch: int, prompt, counter) -> list[str]:
+    """Adds ``batch`` long requests and steps until every one is decoding; returns their ids."""
+    ids = [f"d{next(counter)}" for _ in range(batch)]
+    for request_id in ids:
+        core.add(request_id, prompt, SamplingParams(max_new_tokens=100_000, ignore_eos=True), seed=0)
+    while core.scheduler.waiting:
+        core.step()
+    for _ in range(3):
+        core.step()
+    return ids
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:smollm2-135m")
@@ -37,7 +52,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     loaded = load_model(args.model, device="cuda")
-    core = EngineCore(loaded, EngineConfig(max_batch=max(args.batch), num_blocks=8192, compile=args.compile),
+    core = EngineCore(loaded, EngineConfig(max_batch=max(args.batch), num_blocks=8192, compile=args.compile,
+                                           max_model_len=4096),
                       publish=lambda pairs, stats: None)
     prompt = list(range(1000, 1000 + args.prompt_len))
     counter = iter(range(10**9))
@@ -45,12 +61,6 @@ def main(argv=None):
     def prefill_one():
         core.add(f"p{next(counter)}", prompt, SamplingParams(max_new_tokens=1, ignore_eos=True), seed=0)
         core.run_until_idle()
-
-    def decode_steps(batch: int, steps: int):
-        for _ in range(batch):
-            core.add(f"d{next(counter)}", prompt, SamplingParams(max_new_tokens=steps + 1, ignore_eos=True), seed=0)
-        core.step()                                   # the prefill
-        return lambda: [core.step() for _ in range(steps)]
 
     def prefill_many(n: int):
         for _ in range(n):
@@ -66,36 +76,43 @@ def main(argv=None):
 
     prefill_one()
     rows = [("prefill, 1 prompt of a length not seen before (~%d tokens)" % args.prompt_len,
-             timed(prefill_new_length, 10)),("prefill, 1 x %d tokens" % args.prompt_len, timed(prefill_one, 10)),
+             timed(prefill_new_length, 10)),
+            ("prefill, 1 x %d tokens" % args.prompt_len, timed(prefill_one, 10)),
             ("prefill, 8 x %d tokens" % args.prompt_len, timed(lambda: prefill_many(8), 5))]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         prefill_one()
     prof.export_chrome_trace(str(args.out / "prefill.json"))
     report = [f"## prefill\n\n{prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=20)}"]
     for batch in args.batch:
-        run = decode_steps(batch, 40)
-        run()
-        core.run_until_idle()
-        run = decode_steps(batch, 40)
-        elapsed = timed(run, 1) / 40
-        rows.append((f"decode step, B={batch}", elapsed))
+        started = steady_decode(core, batch, prompt, counter)
+        elapsed = timed(lambda: [core.step() for _ in range(40)], 1) / 40
+        rows.append((f"decode step, B={batch} (all running, no prefill)", elapsed))
         bucket = core.runner.bucket_for(batch)
         if bucket is not None:
             graph = core.runner.graphs[bucket][0]
             rows.append((f"  its graph replayed alone (device time), B={batch}",
                          timed(lambda: [graph.replay() for _ in range(50)], 3) / 50))
-        run = decode_steps(batch, 5)
-        run()                                         # past the first decode, which waits on nothing
-        run = decode_steps(batch, 5)
+        host = cProfile.Profile()
+        host.enable()
+        for _ in range(20):
+            core.step()
+        host.disable()
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(25)
+        report.append(f"## host profile of 20 decode steps, B={batch}\n\n```\n{text.getvalue()}\n```")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            run()
-        core.run_until_idle()
+            for _ in range(5):
+                core.step()
+            torch.cuda.synchronize()
         prof.export_chrome_trace(str(args.out / f"decode_b{batch}.json"))
         kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
         rows.append((f"  device operations per decode step, B={batch}", kernels / 5))
         report.append(f"## decode B={batch}\n\n{prof.key_averages().table(sort_by='self_cuda_time_total', row_limit=15)}")
+        for request_id in started:
+            core.abort(request_id)
+        core.run_until_idle()
     (args.out / "profile.md").write_text("\n\n".join(report))
-    print("\n".join(report[-1:]))
+    print("\n".join(report[-2:]))
     print("\n| what | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value * 1e3:.2f} ms |" if value < 10 else f"| {name} | {value:.0f} |")
