@@ -4,8 +4,8 @@ Times our GEMV (``layer_ops.linear`` / ``silu_mul_linear`` for a decode step's f
 against cuBLAS through ``F.linear`` (plus ``silu_and_mul`` for the down projection) on the
 projections of the two model presets, bf16, the way ``kernels.bench`` times attention: CUDA-graph
 replay of calls rotating over enough weight copies to stream past the 60 MB L2 (a decode step
-reads each layer's weights from HBM), median per call. Prints a Markdown table; the rows where
-ours wins set ``layer_ops.GEMV_MAX_ROWS``.
+reads each layer's weights from HBM), median per call. Prints a Markdown table; where ours wins
+sets ``layer_ops.GEMV_MAX_ROWS`` and ``GEMV_MAX_WEIGHT``.
 """
 
 import argparse
@@ -25,7 +25,7 @@ PROJECTIONS = (
     ("gqa128 qkv", 6144, 4096, False), ("gqa128 gate_up", 28672, 4096, False),
     ("gqa128 down+silu", 4096, 14336, True),
 )
-ROWS = (1, 2, 4, 8)
+ROWS = (1, 2, 4)
 
 
 def calls_for(n, k, silu_mul, rows, device, ours: bool):
@@ -34,8 +34,7 @@ def calls_for(n, k, silu_mul, rows, device, ours: bool):
     weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
     x = torch.randn(rows, 2 * k if silu_mul else k, device=device, dtype=torch.bfloat16)
     if ours:
-        fn = layer_ops.silu_mul_linear if silu_mul else layer_ops.linear
-        return [lambda w=w: fn(x, w) for w in weights]
+        return [lambda w=w: torch.ops.flashdecode.gemv(x, w, silu_mul) for w in weights]
     if silu_mul:
         return [lambda w=w: F.linear(layer_ops.silu_and_mul(x), w) for w in weights]
     return [lambda w=w: F.linear(x, w) for w in weights]

@@ -50,13 +50,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# Rows up to which a projection runs our GEMV instead of cuBLAS (kernels/results/h200_layer_ops.md).
-GEMV_MAX_ROWS = 8
+# Where a projection runs our GEMV instead of cuBLAS, by measurement (python -m
+# kernels.bench_layer_ops): up to 4 rows, weights up to 4 M elements (larger ones, the LM head
+# or a 4096-wide model's projections, stream as fast or faster through cuBLAS).
+GEMV_MAX_ROWS = 4
+GEMV_MAX_WEIGHT = 4 << 20
+GEMV_MAX_INPUT_BYTES = 200 * 1024         # its input rows live in shared memory
+
+
+def _gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and weight.numel() <= GEMV_MAX_WEIGHT
+            and x.shape[0] * weight.shape[1] * x.element_size() <= GEMV_MAX_INPUT_BYTES)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` (no bias)."""
-    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
+    if _gemv_serves(x, weight):
         _load(x.device)
         return torch.ops.flashdecode.gemv(x, weight, False)
     return F.linear(x, weight)
@@ -64,7 +73,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``silu_and_mul(gate_up) @ weight.T``: the MLP's down projection, fused for a few rows."""
-    if gate_up.is_cuda and gate_up.shape[0] <= GEMV_MAX_ROWS:
+    if _gemv_serves(gate_up, weight):
         _load(gate_up.device)
         return torch.ops.flashdecode.gemv(gate_up, weight, True)
     return F.linear(silu_and_mul(gate_up), weight)

@@ -445,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="gamma shape of the arrivals: 1 Poisson, <1 burstier, >1 more regular")
     load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight in rate mode")
     load.add_argument("--num-prompts", type=int, default=None,
-                      help="requests per level (default: max(16, 4 x concurrency); 100 per rate)")
+                      help="requests per level (default: max(16, 8 x concurrency); 100 per rate)")
     load.add_argument("--warmup", type=int, default=2, help="requests sent (and checked) before measuring")
     load.add_argument("--max-duration", type=float, default=600.0,
                       help="seconds after which a level sends no new request")
@@ -503,7 +503,7 @@ def make_levels(args) -> list[Level]:
 def level_size(level: Level, args) -> int:
     if args.num_prompts is not None:
         return args.num_prompts
-    return max(16, 4 * level.concurrency) if level.mode == "concurrency" else 100
+    return max(16, 8 * level.concurrency) if level.mode == "concurrency" else 100
 
 
 def benchmark(args, base_url: str, headers: dict, source: PromptSource, backend: Backend,

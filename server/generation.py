@@ -135,6 +135,10 @@ class Generation:
     def __aiter__(self):
         return self
 
+    def has_ready_events(self) -> bool:
+        """Whether the next event is already here (iterating will not wait)."""
+        return self.finish is None and self.stream.has_ready_events()
+
     async def __anext__(self) -> TokenEvent | FinishEvent:
         if self.finish is not None:
             raise StopAsyncIteration

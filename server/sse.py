@@ -15,12 +15,32 @@ def sse_json(payload: dict) -> bytes:
     return format_sse_event(data_str=json.dumps(payload, ensure_ascii=False, allow_nan=False))
 
 
+async def coalesced(chunks: AsyncIterator[bytes], generation: Generation) -> AsyncIterator[bytes]:
+    """Joins the events rendered from tokens that were already waiting into one write: a stream
+    that fell behind the engine (many streams, one event loop) then costs one send per burst
+    instead of one per token, and a stream that keeps up still sends each token at once."""
+    buffer: list[bytes] = []
+    try:
+        async for chunk in chunks:
+            buffer.append(chunk)
+            if not generation.has_ready_events():
+                yield b"".join(buffer)
+                buffer.clear()
+        if buffer:
+            yield b"".join(buffer)
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 class GenerationEventStream(EventSourceResponse):
     """Streams ``content`` and, however the stream ends (finished, client gone, error), closes
     the generation, which aborts the engine request if it has not finished."""
 
     def __init__(self, content: AsyncIterator[bytes], generation: Generation):
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(coalesced(content, generation),
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.generation = generation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -205,6 +205,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, bool silu_mul) {
   const int64_t n = w.size(0), k = w.size(1), rows = x.size(0);
   check_rows(x, "x", silu_mul ? 2 * k : k);
   TORCH_CHECK(rows <= kGemvMaxRows, "gemv serves at most ", kGemvMaxRows, " rows, got ", rows);
+  TORCH_CHECK(rows * k * x.element_size() <= kGemvMaxSmemBytes, "gemv input rows (", rows, " x ", k,
+              ") exceed its shared memory");
   at::Tensor y = at::empty({rows, n}, x.options());
   GemvParams p{};
   p.y = y.data_ptr();

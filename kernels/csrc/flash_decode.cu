@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "flash_decode.h"
+#include "launch.h"
 
 namespace flashdecode {
 namespace {
@@ -270,7 +271,7 @@ __device__ void merge_rows(const DecodeParams& p, int b, int q_head0, int rows, 
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeParams p) {
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // no-op unless launched as a PDL dependent
+  pdl_trigger_then_wait();  // the wait is a no-op unless launched as a PDL dependent
   __shared__ __align__(16) float smem[kRows * kMaxSplits + kMergeThreads * 4];
   merge_rows<T, D>(p, blockIdx.y, blockIdx.x, 1, smem);
 }
@@ -440,9 +441,10 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   __shared__ float row_lse[kRows];
   __shared__ int is_last;
 
-  // Lets a merge kernel launched with programmatic dependent launch get its blocks resident now;
-  // they wait (griddepcontrol.wait) until this whole grid has finished and flushed.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  // Lets the merge kernel (and any PDL successor) get its blocks resident now; they wait
+  // (griddepcontrol.wait) until this whole grid has finished and flushed. This grid in turn
+  // waits for its own predecessor (the kernel that wrote q) before reading anything.
+  pdl_trigger_then_wait();
   const Work w = block_work<D>(p);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, qd = lane % 4;
@@ -568,8 +570,7 @@ cudaError_t launch_typed(const DecodeParams& p, cudaStream_t stream) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const int head_tiles = (group + kRows - 1) / kRows;
   const dim3 grid(p.num_splits, p.num_kv_heads * head_tiles, p.batch);
-  split_kernel<T, D><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
-  err = cudaGetLastError();
+  err = launch_pdl(split_kernel<T, D>, grid, dim3(S::kThreads), S::kSmemBytes, stream, p);
   if (err != cudaSuccess || p.num_splits == 1 || p.merge_mode == kMergeLastBlock) return err;
 
   const dim3 merge_grid(p.num_q_heads, p.batch);
@@ -577,17 +578,7 @@ cudaError_t launch_typed(const DecodeParams& p, cudaStream_t stream) {
     merge_kernel<T, D><<<merge_grid, kMergeThreads, 0, stream>>>(p);
     return cudaGetLastError();
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = merge_grid;
-  config.blockDim = dim3(kMergeThreads);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, merge_kernel<T, D>, p);
+  return launch_pdl(merge_kernel<T, D>, merge_grid, dim3(kMergeThreads), 0, stream, p);
 }
 
 __global__ void write_kv_kernel(const WriteKvParams p) {

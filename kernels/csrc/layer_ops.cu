@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "launch.h"
 #include "layer_ops.h"
 
 namespace flashdecode {
@@ -42,6 +43,7 @@ __device__ float block_sum(float v) {
 // One block per row. With a residual: residual = round(residual + x), out = norm(residual) * w.
 template <typename T, bool kResidual>
 __global__ void rms_norm_kernel(RmsNormParams p) {
+  pdl_trigger_then_wait();
   const int64_t row = blockIdx.x;
   const int vecs = p.hidden / 8;
   const auto* x = reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.x) + row * p.x_stride);
@@ -75,6 +77,7 @@ __global__ void rms_norm_kernel(RmsNormParams p) {
 
 template <typename T>
 __global__ void silu_and_mul_kernel(SiluMulParams p) {
+  pdl_trigger_then_wait();
   const int vecs = p.inter / 8;
   const int64_t total = p.rows * vecs;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
@@ -96,6 +99,7 @@ __global__ void silu_and_mul_kernel(SiluMulParams p) {
 // stores the rotated key and the value at the token's cache slot.
 template <typename T>
 __global__ void rope_write_kv_kernel(RopeKvParams p) {
+  pdl_trigger_then_wait();
   const int64_t t = blockIdx.x;
   T* row = static_cast<T*>(p.qkv) + t * p.qkv_stride;
   const int d = p.head_dim, half = d / 2;
@@ -131,14 +135,34 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
 }
 
 // y = x W^T for a few rows (a decode step's batch): latency, not arithmetic, bounds these, and
-// cuBLAS's GEMM kernels spend ~4 us on a 1 MB weight. One warp per output column streams its
-// weight row with 16-byte loads; the rows of x (a few KB) come from L1.
+// cuBLAS's GEMM kernels spend ~4 us on a 1 MB weight. The block first stages its input rows in
+// shared memory (applying SiLU-and-multiply there, once per block, for the down projection);
+// then each warp streams one weight row with 16-byte loads and reduces it against every row.
 template <typename T, int kRows, bool kSiluMul>
 __global__ void gemv_kernel(GemvParams p) {
+  pdl_trigger_then_wait();
+  extern __shared__ __align__(16) uint8_t gemv_smem[];
+  T* xs = reinterpret_cast<T*>(gemv_smem);           // [kRows, k]
+  const int vecs = p.k / 8;
+  for (int i = threadIdx.x; i < kRows * vecs; i += blockDim.x) {
+    const int r = i / vecs, c = i % vecs;
+    const T* row = static_cast<const T*>(p.x) + r * p.x_stride;
+    Vec8<T> a = reinterpret_cast<const Vec8<T>*>(row)[c];
+    if constexpr (kSiluMul) {
+      const Vec8<T> up = reinterpret_cast<const Vec8<T>*>(row + p.k)[c];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float g = to_float(a.v[j]);
+        a.v[j] = from_float<T>(rounded<T>(g / (1.f + expf(-g))) * to_float(up.v[j]));
+      }
+    }
+    reinterpret_cast<Vec8<T>*>(xs + r * p.k)[c] = a;
+  }
+  __syncthreads();
+
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int col = blockIdx.x * (blockDim.x / 32) + warp;
   if (col >= p.n) return;
-  const int vecs = p.k / 8;
   const auto* w = reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.w) + int64_t(col) * p.k);
   float acc[kRows];
 #pragma unroll
@@ -147,22 +171,9 @@ __global__ void gemv_kernel(GemvParams p) {
     const Vec8<T> wv = w[i];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const T* row = static_cast<const T*>(p.x) + r * p.x_stride;
-      const Vec8<T> a = reinterpret_cast<const Vec8<T>*>(row)[i];
-      float in[8];
-      if constexpr (kSiluMul) {
-        const Vec8<T> up = reinterpret_cast<const Vec8<T>*>(row + p.k)[i];
+      const Vec8<T> a = reinterpret_cast<const Vec8<T>*>(xs + r * p.k)[i];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float g = to_float(a.v[j]);
-          in[j] = rounded<T>(rounded<T>(g / (1.f + expf(-g))) * to_float(up.v[j]));
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) in[j] = to_float(a.v[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[r] = fmaf(in[j], to_float(wv.v[j]), acc[r]);
+      for (int j = 0; j < 8; ++j) acc[r] = fmaf(to_float(a.v[j]), to_float(wv.v[j]), acc[r]);
     }
   }
 #pragma unroll
@@ -176,14 +187,27 @@ __global__ void gemv_kernel(GemvParams p) {
 constexpr int kThreads = 128;
 constexpr int kGemvWarps = 4;
 
+template <typename T, int kRows, bool kSiluMul>
+cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream) {
+  static uint64_t configured_devices = 0;  // bit per device: dynamic smem limit raised
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= 64) return cudaErrorInvalidDevice;
+  if (!(__atomic_load_n(&configured_devices, __ATOMIC_ACQUIRE) & (1ull << device))) {
+    err = cudaFuncSetAttribute(gemv_kernel<T, kRows, kSiluMul>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kGemvMaxSmemBytes);
+    if (err != cudaSuccess) return err;
+    __atomic_fetch_or(&configured_devices, 1ull << device, __ATOMIC_RELEASE);
+  }
+  const unsigned blocks = static_cast<unsigned>((p.n + kGemvWarps - 1) / kGemvWarps);
+  const size_t smem = size_t(kRows) * p.k * sizeof(T);
+  return launch_pdl(gemv_kernel<T, kRows, kSiluMul>, dim3(blocks), dim3(kGemvWarps * 32), smem, stream, p);
+}
+
 template <typename T, int kRows>
 cudaError_t gemv_rows(const GemvParams& p, cudaStream_t stream) {
-  const unsigned blocks = static_cast<unsigned>((p.n + kGemvWarps - 1) / kGemvWarps);
-  if (p.silu_mul)
-    gemv_kernel<T, kRows, true><<<blocks, kGemvWarps * 32, 0, stream>>>(p);
-  else
-    gemv_kernel<T, kRows, false><<<blocks, kGemvWarps * 32, 0, stream>>>(p);
-  return cudaGetLastError();
+  return p.silu_mul ? gemv_launch<T, kRows, true>(p, stream) : gemv_launch<T, kRows, false>(p, stream);
 }
 
 template <typename T>
@@ -193,29 +217,22 @@ cudaError_t gemv_typed(const GemvParams& p, cudaStream_t stream) {
     case 2: return gemv_rows<T, 2>(p, stream);
     case 3: return gemv_rows<T, 3>(p, stream);
     case 4: return gemv_rows<T, 4>(p, stream);
-    case 5: return gemv_rows<T, 5>(p, stream);
-    case 6: return gemv_rows<T, 6>(p, stream);
-    case 7: return gemv_rows<T, 7>(p, stream);
-    case 8: return gemv_rows<T, 8>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename T>
 cudaError_t rms_norm_typed(const RmsNormParams& p, cudaStream_t stream) {
-  if (p.residual != nullptr)
-    rms_norm_kernel<T, true><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
-  else
-    rms_norm_kernel<T, false><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  const dim3 grid(static_cast<unsigned>(p.rows));
+  return p.residual != nullptr ? launch_pdl(rms_norm_kernel<T, true>, grid, dim3(kThreads), 0, stream, p)
+                               : launch_pdl(rms_norm_kernel<T, false>, grid, dim3(kThreads), 0, stream, p);
 }
 
 template <typename T>
 cudaError_t silu_and_mul_typed(const SiluMulParams& p, cudaStream_t stream) {
   const int64_t vecs = p.rows * (p.inter / 8);
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((vecs + kThreads - 1) / kThreads, 65535));
-  silu_and_mul_kernel<T><<<blocks, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_pdl(silu_and_mul_kernel<T>, dim3(blocks), dim3(kThreads), 0, stream, p);
 }
 
 }  // namespace
@@ -239,11 +256,9 @@ cudaError_t launch_silu_and_mul(const SiluMulParams& p, cudaStream_t stream) {
 cudaError_t launch_rope_write_kv(const RopeKvParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>(p.num_tokens);
-  if (p.dtype == DType::kBFloat16)
-    rope_write_kv_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(p);
-  else
-    rope_write_kv_kernel<__half><<<blocks, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return p.dtype == DType::kBFloat16
+             ? launch_pdl(rope_write_kv_kernel<__nv_bfloat16>, dim3(blocks), dim3(kThreads), 0, stream, p)
+             : launch_pdl(rope_write_kv_kernel<__half>, dim3(blocks), dim3(kThreads), 0, stream, p);
 }
 
 }  // namespace flashdecode

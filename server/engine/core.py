@@ -98,9 +98,21 @@ class EngineCore:
         self.steps = 0
         self.info = ModelInfo(loaded.name, self.max_model_len, self.runner.kv_tokens, config.block_size,
                               self.blocks.num_blocks)
+        if loaded.device.type == "cuda":
+            self._warm_up()
         log.info("KV pool: %d blocks of %d tokens (%d tokens); graph buckets %s, captured in %.1f s; "
                  "engine ready in %.1f s", self.blocks.num_blocks, config.block_size, self.runner.kv_tokens,
                  sorted(self.runner.graphs) or "none", self.runner.capture_seconds, time.monotonic() - started)
+
+    def _warm_up(self) -> None:
+        """A few throwaway requests through every path (prefill, decode graphs, sampling), so the
+        first real request does not pay for lazily loaded kernels and library set-up."""
+        for i, length in enumerate((7, 100)):
+            self.add(f"warm-up-{i}", list(range(10, 10 + length)), SamplingParams(max_new_tokens=4, ignore_eos=True),
+                     seed=i)
+        while self.busy():
+            self.step()                            # events dropped: nobody is listening
+        self.steps = 0
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),

@@ -44,6 +44,9 @@ class RequestStream:
             self.finished = True
         return event
 
+    def has_ready_events(self) -> bool:
+        return not self._queue.empty()
+
     def abort(self) -> None:
         if not self.finished:
             self._frontend.abort(self.request_id)

@@ -95,8 +95,12 @@ class Scheduler:
 
     def _schedule_decode(self) -> DecodeStep:
         scheduled: list[Sequence] = []
+        block_size = self.blocks.block_size
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.runs_out(self.max_model_len):
+                continue
+            if seq.total_len <= len(seq.block_table) * block_size:
+                scheduled.append(seq)              # its blocks hold the next token already
                 continue
             while not self.blocks.can_grow(seq.block_table, seq.total_len):
                 victim = self.running[-1]

@@ -7,6 +7,9 @@ rounding); outputs are poisoned with NaN first; inputs are fresh random each run
 """
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,7 +130,7 @@ def test_rope_write_kv(hq, hkv, d, dtype, slot_dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (6144, 4096), (100, 40)])
 def test_gemv(rows, n, k, dtype):
     x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
@@ -135,13 +138,14 @@ def test_gemv(rows, n, k, dtype):
     exact = x.double() @ w.double().T
     ours = torch.ops.flashdecode.gemv(x, w, False)
     check(ours, torch.nn.functional.linear(x, w), exact, dtype)
-    assert torch.equal(layer_ops.linear(x, w), ours)        # the entry point takes the GEMV here
+    if w.numel() <= layer_ops.GEMV_MAX_WEIGHT:
+        assert torch.equal(layer_ops.linear(x, w), ours)    # the entry point takes the GEMV here
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 4, 8])
-def test_gemv_with_silu_and_mul_input(rows, dtype):
-    n, k = 576, 1536
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("n,k", [(576, 1536), (4096, 14336)])
+def test_gemv_with_silu_and_mul_input(rows, n, k, dtype):
     gate_up = torch.randn(rows, 2 * k, device=DEVICE, dtype=dtype) * 2
     w = torch.randn(n, k, device=DEVICE, dtype=dtype) / k ** 0.5
     gate, up = gate_up.double().chunk(2, dim=-1)
@@ -151,8 +155,14 @@ def test_gemv_with_silu_and_mul_input(rows, dtype):
 
 
 def test_gemv_rejects_too_many_rows_and_the_entry_point_falls_back():
+    # The raw op's refusal runs in a child process: a crash there must fail this test, not the run.
+    code = ("import torch; from kernels import ops; ops.load()\n"
+            f"x = torch.randn({layer_ops.GEMV_MAX_ROWS + 1}, 64, device='cuda', dtype=torch.bfloat16)\n"
+            "w = torch.randn(32, 64, device='cuda', dtype=torch.bfloat16)\n"
+            "try:\n    torch.ops.flashdecode.gemv(x, w, False)\nexcept RuntimeError as e:\n    print('refused:', e)\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           cwd=Path(__file__).resolve().parents[2])
+    assert child.returncode == 0 and "refused:" in child.stdout and "at most" in child.stdout, child.stderr[-2000:]
     x = torch.randn(layer_ops.GEMV_MAX_ROWS + 1, 64, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(32, 64, device=DEVICE, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="at most"):
-        torch.ops.flashdecode.gemv(x, w, False)
     assert torch.equal(layer_ops.linear(x, w), torch.nn.functional.linear(x, w))

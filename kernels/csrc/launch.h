@@ -1,0 +1,34 @@
+// Programmatic dependent launch (PDL), shared by every kernel of this library.
+//
+// Each kernel is launched with programmatic stream serialization and starts with
+// pdl_trigger_then_wait(): its successor may then be scheduled onto the SMs while this kernel
+// still runs, and this kernel touches no memory before its own predecessor has finished and
+// flushed. A chain of short kernels (a decode step at batch 1) thus hides most launch latency,
+// with the same ordering as plain stream serialization.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace flashdecode {
+
+__device__ __forceinline__ void pdl_trigger_then_wait() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+template <typename Kernel, typename... Args>
+cudaError_t launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+}  // namespace flashdecode
