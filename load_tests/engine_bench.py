@@ -94,7 +94,8 @@ def main(argv=None):
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
     ap.add_argument("--no-graphs", action="store_true")
-    ap.add_argument("--prefill-graph-buckets", type=int, nargs="*", default=[])
+    ap.add_argument("--prefill-graph-buckets", type=int, nargs="*", default=None,
+                    help="token buckets of prefill graphs (none given: off; default: the engine's)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -110,7 +111,8 @@ def main(argv=None):
                           max_prefill_tokens=8192, num_blocks=args.num_blocks,
                           gpu_memory_fraction=0.45 if args.hf else 0.8,
                           compile=args.compile, cuda_graphs=not args.no_graphs,
-                          prefill_graph_buckets=tuple(args.prefill_graph_buckets))
+                          prefill_graph_buckets=None if args.prefill_graph_buckets is None
+                          else tuple(args.prefill_graph_buckets))
     engine = EngineCore(loaded, config, publish=lambda pairs, stats: None)
     hf_model = None
     if args.hf:

@@ -38,7 +38,10 @@ class AttentionBatch:
     workspace: kernels.Workspace | None = None
     query_starts: list[int] | None = None
     context_lens: list[int] | None = None
-    cu_query_starts: torch.Tensor | None = None   # query_starts on the device (int32), for varlen attention
+    # Whole prompts only (nothing cached before them): query_starts on the device (int32, may end
+    # in empty sequences) and the longest prompt, for one varlen attention call on a GPU.
+    cu_query_starts: torch.Tensor | None = None
+    max_query_len: int = 0
 
 
 # Prompt lengths change with every request: backends that plan per shape (cuDNN builds a graph
@@ -49,7 +52,7 @@ PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, 
 def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache) -> torch.Tensor:
     """Causal attention of packed prompt chunks: ``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` (their keys
     and values already in the cache); returns ``[T, Hq, D]``."""
-    if q.is_cuda and batch.cu_query_starts is not None and not any(batch.context_lens):
+    if q.is_cuda and batch.cu_query_starts is not None:
         return _varlen_causal(q, k, v, scale, batch)
     out = q.new_zeros(q.shape)
     with sdpa_kernel(PREFILL_BACKENDS, set_priority=True):
@@ -60,11 +63,9 @@ def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache) -
 def _varlen_causal(q, k, v, scale, batch: AttentionBatch) -> torch.Tensor:
     """Whole prompts (nothing cached before them) in one FlashAttention varlen call: a loop of
     one SDPA call per prompt and layer costs ~65 us of host time each."""
-    starts = batch.query_starts
-    longest = max(end - start for start, end in zip(starts, starts[1:]))
-    out = torch.ops.aten._flash_attention_forward(q, k, v, batch.cu_query_starts, batch.cu_query_starts,
-                                                  longest, longest, 0.0, True, False, scale=scale)[0]
-    return out
+    longest = batch.max_query_len
+    return torch.ops.aten._flash_attention_forward(q, k, v, batch.cu_query_starts, batch.cu_query_starts,
+                                                   longest, longest, 0.0, True, False, scale=scale)[0]
 
 
 def _prefill_chunks(out, q, k, v, scale, batch: AttentionBatch, k_cache, v_cache) -> None:

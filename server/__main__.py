@@ -68,8 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         engine.add_argument(flag, type=kind, default=kind(value) if value else None, help=help_text)
     engine.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
     engine.add_argument("--prefill-graph-buckets", default=_env("prefill_graph_buckets"),
-                        type=lambda v: tuple(int(x) for x in v.split(",") if x) if v else (),
-                        help="comma-separated prompt lengths whose single-prompt prefills replay CUDA graphs")
+                        type=lambda v: () if v in ("", "off") else tuple(int(x) for x in v.split(",") if x),
+                        help="comma-separated token counts: whole prompts packed up to one of these replay "
+                             "a CUDA graph ('off': always eager; default 128,256,...,4096 on a GPU)")
     engine.add_argument("--compile", action="store_true", default=_env("compile") == "1",
                         help="torch.compile the decode step before capturing its graphs")
     engine.add_argument("--engine-thread", action="store_true", default=_env("engine_thread") == "1",
@@ -101,8 +102,10 @@ def engine_options(args: argparse.Namespace) -> dict:
         options["cuda_graphs"] = False
     if args.compile:
         options["compile"] = True
-    if args.prefill_graph_buckets:
-        options["prefill_graph_buckets"] = tuple(args.prefill_graph_buckets)
+    if args.prefill_graph_buckets is not None:
+        buckets = args.prefill_graph_buckets
+        options["prefill_graph_buckets"] = buckets if isinstance(buckets, tuple) else \
+            (() if buckets in ("", "off") else tuple(int(x) for x in buckets.split(",") if x))
     return options
 
 

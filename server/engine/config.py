@@ -1,6 +1,9 @@
 from dataclasses import dataclass
 
 
+DEFAULT_PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096)
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 32
@@ -17,9 +20,20 @@ class EngineConfig:
     fused_layers: bool = True                # Llama models run models.FusedLlama (else transformers' layers)
     compile: bool = False                    # torch.compile the decode step before graph capture
     graph_buckets: tuple[int, ...] | None = None   # decode batch sizes captured; None: 1, 2, 4, ... max_batch
-    # Whole prompts up to these lengths are prefilled one sequence at a time, padded to the next
-    # length and (on a GPU) replayed from CUDA graphs; () prefills every prompt eagerly, packed.
-    prefill_graph_buckets: tuple[int, ...] = ()
+    # Whole prompts, up to prefill_graph_max_seqs of them and these many tokens in all, are
+    # prefilled packed and padded to the next bucket, replayed from CUDA graphs on a GPU (eagerly
+    # elsewhere, which only tests that path); () prefills every prompt eagerly, unpadded. None:
+    # DEFAULT_PREFILL_BUCKETS with CUDA graphs on a GPU, () elsewhere. Buckets past
+    # max_prefill_tokens are dropped.
+    prefill_graph_buckets: tuple[int, ...] | None = None
+    prefill_graph_max_seqs: int = 64
+
+    def prefill_buckets(self, on_gpu: bool) -> tuple[int, ...]:
+        if self.prefill_graph_buckets is None:
+            chosen = DEFAULT_PREFILL_BUCKETS if on_gpu and self.cuda_graphs else ()
+        else:
+            chosen = self.prefill_graph_buckets
+        return tuple(sorted(b for b in chosen if b <= self.max_prefill_tokens))
 
     def buckets(self) -> tuple[int, ...]:
         if self.graph_buckets:

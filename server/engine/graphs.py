@@ -4,11 +4,14 @@ import torch
 
 
 @torch.inference_mode()
-def capture_graphs(forward, sizes, device: torch.device) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+def capture_graphs(forward, sizes, device: torch.device, prepare=None) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
     """``forward(size)`` captured for each size, largest first so the smaller graphs fit in the
-    pool the largest one made. Returns ``{size: (graph, output)}``; replay writes ``output``."""
+    pool the largest one made. Returns ``{size: (graph, output)}``; replay writes ``output``.
+    ``prepare(size)``, if given, sets the static inputs before each size's eager warm-up runs."""
     graphs, pool = {}, None
     for size in sorted(sizes, reverse=True):
+        if prepare is not None:
+            prepare(size)
         for _ in range(2):
             forward(size)                          # warm-up: lazy initialisation, library heuristics
         torch.cuda.synchronize(device)

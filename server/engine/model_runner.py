@@ -68,8 +68,10 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.prefill_graphs = None
-        if config.prefill_graph_buckets:
-            self.prefill_graphs = PrefillGraphs(self.forward, self.kv_caches, config.prefill_graph_buckets, self.device)
+        prefill_buckets = config.prefill_buckets(self.device.type == "cuda")
+        if prefill_buckets:
+            self.prefill_graphs = PrefillGraphs(self.forward, self.kv_caches, prefill_buckets,
+                                                config.prefill_graph_max_seqs, self.device)
         if self.device.type == "cuda" and config.cuda_graphs:
             self.capture(config.buckets())
             if self.prefill_graphs is not None:
@@ -209,10 +211,10 @@ class ModelRunner:
         (the caller keeps only those of sequences whose prompt is now complete)."""
         graphs = self.prefill_graphs
         if graphs is not None:
-            lengths = [graphs.bucket_for(seq, take) for seq, take in chunks]
-            if None not in lengths:
-                return torch.cat([graphs.run(seq, take, self._slots(seq, 0, take), length)
-                                  for (seq, take), length in zip(chunks, lengths)])
+            length = graphs.bucket_for(chunks)
+            if length is not None:
+                slots = [slot for seq, take in chunks for slot in self._slots(seq, 0, take)]
+                return graphs.run(chunks, slots, length)
         return self._prefill_packed(chunks)
 
     def _prefill_packed(self, chunks) -> torch.Tensor:
@@ -232,9 +234,12 @@ class ModelRunner:
             table[i, :len(seq.block_table)] = seq.block_table
             lens.append(seq.num_cached + take)
         to_dev = self._to_device
+        whole_prompts = not any(contexts)
         batch = AttentionBatch(self.kv_caches, to_dev(slots), to_dev(table), to_dev(lens),
                                is_decode=False, workspace=self.workspace,
-                               query_starts=starts, context_lens=contexts, cu_query_starts=to_dev(starts))
+                               query_starts=starts, context_lens=contexts,
+                               cu_query_starts=to_dev(starts) if whole_prompts else None,
+                               max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
         last_rows = to_dev([s - 1 for s in starts[1:]])
         return self.forward(to_dev(ids).unsqueeze(0), to_dev(positions).unsqueeze(0),
                               batch, logits_rows=last_rows)

@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one command, logs under $OUT and a short table last.
 #
 #   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench] [compile]
-#       [http] [http-prefill-graphs]
+#       [http]
 #
 # With no stage named, all run. On a host without the web stack, wheels in .whl/ are installed
 # first (see the README's GPU section).
@@ -62,13 +62,6 @@ if want http; then
   timeout 300 python3 -m load_tests.loadgen --serve "--model random:smollm2-135m --device cuda" \
       --concurrency 1,16,64,256 --input-len 128 --output-len 256 --no-progress --workers 4 \
       --engine-json "$engine_json" --out-dir "$OUT/http" 2>&1 | tee "$OUT/http.log" | tail -30
-fi
-if want http-prefill-graphs; then
-  stamp "HTTP load test, prefill graphs on"
-  timeout 300 python3 -m load_tests.loadgen \
-      --serve "--model random:smollm2-135m --device cuda --prefill-graph-buckets 16,32,64,128,256,512" \
-      --concurrency 1,16,64,256 --input-len 128 --output-len 256 --no-progress --workers 4 \
-      --engine-json "${ENGINE_JSON:-$OUT/engine_bench.json}" --out-dir "$OUT/http_pg" 2>&1 | tee "$OUT/http_pg.log" | tail -30
 fi
 stamp "done"
 printf '%s\n' "${summary[@]}"
