@@ -165,6 +165,7 @@ def test_varlen_prefill_attention_matches_one_call_per_prompt(hq, hkv, d):
     batch = AttentionBatch([], None, None, None, is_decode=False, query_starts=starts, context_lens=[0] * len(lengths))
     looped = prefill_attention(q, k, v, d ** -0.5, batch, None, None)
     batch.cu_query_starts = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    batch.max_query_len = max(lengths)
     varlen = prefill_attention(q, k, v, d ** -0.5, batch, None, None)
     exact = torch.empty(q.shape, dtype=torch.float64, device="cuda")
     for start, end in zip(starts, starts[1:]):

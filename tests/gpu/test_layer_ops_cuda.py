@@ -154,15 +154,29 @@ def test_gemv_with_silu_and_mul_input(rows, n, k, dtype):
     check(torch.ops.flashdecode.gemv(gate_up, w, True), theirs, exact, dtype)
 
 
-def test_gemv_rejects_too_many_rows_and_the_entry_point_falls_back():
-    # The raw op's refusal runs in a child process: a crash there must fail this test, not the run.
-    code = ("import torch; from kernels import ops; ops.load()\n"
-            f"x = torch.randn({layer_ops.GEMV_MAX_ROWS + 1}, 64, device='cuda', dtype=torch.bfloat16)\n"
-            "w = torch.randn(32, 64, device='cuda', dtype=torch.bfloat16)\n"
-            "try:\n    torch.ops.flashdecode.gemv(x, w, False)\nexcept RuntimeError as e:\n    print('refused:', e)\n")
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                           cwd=Path(__file__).resolve().parents[2])
-    assert child.returncode == 0 and "refused:" in child.stdout and "at most" in child.stdout, child.stderr[-2000:]
+RAW_OP_ERRORS = {
+    "gemv-too-many-rows": ("x = torch.randn(5, 64, device='cuda', dtype=torch.bfloat16)\n"
+                           "w = torch.randn(32, 64, device='cuda', dtype=torch.bfloat16)\n"
+                           "call = lambda: torch.ops.flashdecode.gemv(x, w, False)\n", "at most"),
+    "rms-norm-bad-width": ("x = torch.randn(3, 64, device='cuda', dtype=torch.bfloat16)\n"
+                           "w = torch.randn(32, device='cuda', dtype=torch.bfloat16)\n"
+                           "call = lambda: torch.ops.flashdecode.rms_norm(x, w, 1e-6)\n", "must be [rows"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RAW_OP_ERRORS))
+def test_raw_op_refuses_bad_input_with_an_error(case):
+    # In a child process: a crash there must fail this test, not the whole run.
+    setup, message = RAW_OP_ERRORS[case]
+    code = ("import torch; from kernels import ops; ops.load()\n" + setup +
+            "try:\n    call()\nexcept RuntimeError as e:\n    print('refused:', e)\n")
+    child = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                           timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert child.returncode == 0 and "refused:" in child.stdout and message in child.stdout, \
+        (child.returncode, child.stdout[-500:], child.stderr[-3000:])
+
+
+def test_gemv_entry_point_falls_back_to_cublas_past_its_rows():
     x = torch.randn(layer_ops.GEMV_MAX_ROWS + 1, 64, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(32, 64, device=DEVICE, dtype=torch.bfloat16)
     assert torch.equal(layer_ops.linear(x, w), torch.nn.functional.linear(x, w))
