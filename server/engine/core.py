@@ -28,6 +28,27 @@ from .sequence import Sequence, Status
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
+STATS_LOG_INTERVAL_S = 5.0
+
+
+class StepStats:
+    """Counts for the periodic throughput log line (as vLLM's server logs one)."""
+
+    def __init__(self):
+        self.reset(time.monotonic())
+
+    def reset(self, now: float) -> None:
+        self.since = now
+        self.decode_steps = self.prefill_steps = self.prompt_tokens = self.generated = 0
+        self.busy_s = 0.0
+
+    def line(self, now: float, running: int, waiting: int, kv_used: float) -> str:
+        span = max(now - self.since, 1e-9)
+        steps = self.decode_steps + self.prefill_steps
+        return (f"prompt {self.prompt_tokens / span:.0f} tok/s, generation {self.generated / span:.0f} tok/s; "
+                f"{self.decode_steps / span:.0f} decode + {self.prefill_steps / span:.1f} prefill steps/s, "
+                f"{1e3 * self.busy_s / max(steps, 1):.2f} ms per step; running {running}, waiting {waiting}, "
+                f"KV cache {100 * kv_used:.1f}% used")
 MAX_FAILED_STEPS = 3
 
 
@@ -96,6 +117,7 @@ class EngineCore:
                            torch.cuda.Event() if pinned else None) for _ in range(3)]
         self._inflight: Inflight | None = None
         self.steps = 0
+        self.step_stats = StepStats()
         self.info = ModelInfo(loaded.name, self.max_model_len, self.runner.kv_tokens, config.block_size,
                               self.blocks.num_blocks)
         if loaded.device.type == "cuda":
@@ -124,6 +146,7 @@ class EngineCore:
         A step that raises fails the requests in the engine and the loop goes on; only
         ``MAX_FAILED_STEPS`` failures in a row (a broken device, say) end it."""
         failures = 0
+        stats = self.step_stats = StepStats()
         while True:
             for kind, payload in _drain(inbox, block=not self.busy()):
                 if kind == "stop":
@@ -135,8 +158,15 @@ class EngineCore:
             if not self.busy():
                 continue
             try:
+                started = time.monotonic()
                 self._publish(self.step())
+                now = time.monotonic()
+                stats.busy_s += now - started
                 failures = 0
+                if now - stats.since >= STATS_LOG_INTERVAL_S:
+                    log.info("%s", stats.line(now, len(self.scheduler.running), len(self.scheduler.waiting),
+                                              self.blocks.num_used / self.blocks.num_blocks))
+                    stats.reset(now)
             except Exception as exc:
                 failures += 1
                 log.exception("engine step failed (%d in a row)", failures)
@@ -187,7 +217,11 @@ class EngineCore:
             return events + self._complete_inflight()
         self.steps += 1
         if isinstance(work, PrefillStep):
+            self.step_stats.prefill_steps += 1
+            self.step_stats.prompt_tokens += sum(take for _, take in work.chunks)
             return events + self._prefill(work)
+        self.step_stats.decode_steps += 1
+        self.step_stats.generated += len(work.seqs)
         inflight = self._inflight
         rows_before = {id(seq): row for row, seq in enumerate(inflight.seqs)} if inflight else {}
         sources = [rows_before[id(seq)] if seq.pending else -1 for seq in work.seqs]

@@ -62,6 +62,7 @@ if want http; then
   timeout 300 python3 -m load_tests.loadgen --serve "--model random:smollm2-135m --device cuda" \
       --concurrency 1,16,64,256 --input-len 128 --output-len 256 --no-progress --workers 4 \
       --engine-json "$engine_json" --out-dir "$OUT/http" 2>&1 | tee "$OUT/http.log" | tail -30
+  grep -E "tok/s|ready|captured" "$OUT/http/server.log" | tail -40
 fi
 stamp "done"
 printf '%s\n' "${summary[@]}"
