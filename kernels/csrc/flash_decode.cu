@@ -557,16 +557,9 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
 template <typename T, int D>
 cudaError_t launch_typed(const DecodeParams& p, cudaStream_t stream) {
   using S = Shape<D>;
-  static uint64_t configured_devices = 0;  // bit per device: dynamic smem limit raised
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  static uint64_t smem_raised = 0;
+  cudaError_t err = allow_dynamic_smem(split_kernel<T, D>, S::kSmemBytes, smem_raised);
   if (err != cudaSuccess) return err;
-  if (device >= 64) return cudaErrorInvalidDevice;
-  if (!(__atomic_load_n(&configured_devices, __ATOMIC_ACQUIRE) & (1ull << device))) {
-    err = cudaFuncSetAttribute(split_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
-    if (err != cudaSuccess) return err;
-    __atomic_fetch_or(&configured_devices, 1ull << device, __ATOMIC_RELEASE);
-  }
   const int group = p.num_q_heads / p.num_kv_heads;
   const int head_tiles = (group + kRows - 1) / kRows;
   const dim3 grid(p.num_splits, p.num_kv_heads * head_tiles, p.batch);

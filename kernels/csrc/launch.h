@@ -7,6 +7,8 @@
 // with the same ordering as plain stream serialization.
 #pragma once
 
+#include <cstdint>
+
 #include <cuda_runtime.h>
 
 namespace flashdecode {
@@ -29,6 +31,20 @@ cudaError_t launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaSt
   config.attrs = attr;
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// Raises ``kernel``'s dynamic shared memory limit to ``bytes``, once per device; ``done`` is the
+// caller's per-kernel record (a bit per device).
+template <typename Kernel>
+cudaError_t allow_dynamic_smem(Kernel kernel, int bytes, uint64_t& done) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= 64) return cudaErrorInvalidDevice;
+  if (__atomic_load_n(&done, __ATOMIC_ACQUIRE) & (1ull << device)) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) __atomic_fetch_or(&done, 1ull << device, __ATOMIC_RELEASE);
+  return err;
 }
 
 }  // namespace flashdecode

@@ -189,17 +189,9 @@ constexpr int kGemvWarps = 4;
 
 template <typename T, int kRows, bool kSiluMul>
 cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream) {
-  static uint64_t configured_devices = 0;  // bit per device: dynamic smem limit raised
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  static uint64_t smem_raised = 0;
+  const cudaError_t err = allow_dynamic_smem(gemv_kernel<T, kRows, kSiluMul>, kGemvMaxSmemBytes, smem_raised);
   if (err != cudaSuccess) return err;
-  if (device >= 64) return cudaErrorInvalidDevice;
-  if (!(__atomic_load_n(&configured_devices, __ATOMIC_ACQUIRE) & (1ull << device))) {
-    err = cudaFuncSetAttribute(gemv_kernel<T, kRows, kSiluMul>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               kGemvMaxSmemBytes);
-    if (err != cudaSuccess) return err;
-    __atomic_fetch_or(&configured_devices, 1ull << device, __ATOMIC_RELEASE);
-  }
   const unsigned blocks = static_cast<unsigned>((p.n + kGemvWarps - 1) / kGemvWarps);
   const size_t smem = size_t(kRows) * p.k * sizeof(T);
   return launch_pdl(gemv_kernel<T, kRows, kSiluMul>, dim3(blocks), dim3(kGemvWarps * 32), smem, stream, p);
