@@ -49,6 +49,9 @@ class FakeStream:
     async def __anext__(self):
         return await self.queue.get()
 
+    def has_ready_events(self) -> bool:
+        return not self.queue.empty()
+
 
 class FakeEngine:
     """Emits "w0 w1 ..." one word per token; ``mode`` scripts failures."""
