@@ -1,8 +1,15 @@
-"""Prometheus metrics, kept in a registry owned by one app (no process-global state)."""
+"""Prometheus metrics, kept in a registry owned by one app (no process-global state).
 
+With several HTTP worker processes (``--api-workers``), ``PROMETHEUS_MULTIPROC_DIR`` is set and
+prometheus_client keeps the counters and histograms in files there; every worker's /metrics then
+reports the sum over all workers.
+"""
+
+import os
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 
 PREFIX = "llm"
@@ -44,8 +51,10 @@ class EngineStatsCollector:
 
 class Metrics:
     def __init__(self, get_engine: Callable[[], object | None]):
+        shared = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        # across processes the files are what is scraped, so the metrics themselves stay unlisted
+        r = CollectorRegistry() if shared else self.registry
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
                               "Time from arrival to the first generated token.",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -72,8 +81,11 @@ class Metrics:
             self.finished.labels(reason=reason)
         for reason in ("queue_full", "invalid", "too_long"):
             self.rejected.labels(reason=reason)
-        r.register(EngineStatsCollector(get_engine))
-        ProcessCollector(registry=r)
+        self.registry.register(EngineStatsCollector(get_engine))
+        if shared:
+            MultiProcessCollector(self.registry)
+        else:
+            ProcessCollector(registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

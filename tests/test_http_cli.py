@@ -2,7 +2,7 @@
 
 import pytest
 
-from server.__main__ import engine_options, parse_args, settings_from
+from server.cli import engine_options, parse_args, settings_from
 
 
 @pytest.fixture

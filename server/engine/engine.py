@@ -61,6 +61,7 @@ class EngineFrontend:
         self.ready = False
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
+        self.id_prefix = ""                       # routes events back to this front end when it shares a core
         self._queued_requests = 0                 # admitted, no event yet (event-loop thread only)
         self._queued_tokens = 0
         self._stats = EngineStats(0, 0, 0, 0, 0)
@@ -99,7 +100,7 @@ class EngineFrontend:
         if not self.ready:
             raise EngineDeadError("the engine is not ready")
         self.validate(len(prompt_ids), params)
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = self.id_prefix + (request_id or f"req-{next(self._ids)}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         tokens = len(prompt_ids) + params.max_new_tokens

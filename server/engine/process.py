@@ -3,6 +3,10 @@
 The server process keeps only the tokenizer and the asyncio streams; the core process owns the
 model and the GPU. Requests and aborts go down one queue; each step's events and a state
 snapshot come back up another, as one message per step.
+
+Several HTTP worker processes can share one core (``python -m server --api-workers N``): they
+all send down the one queue, each has a queue of its own coming back, and a request's events go
+to the worker whose number prefixes its id (``"2:..."``).
 """
 
 import logging
@@ -10,6 +14,7 @@ import logging.config
 import multiprocessing as mp
 import queue
 import threading
+import time
 
 import transformers
 
@@ -21,47 +26,117 @@ from .engine import EngineFrontend
 
 log = logging.getLogger(__name__)
 
+STATS_REFRESH_S = 0.5      # a worker with no events of its own still gets the engine's state this often
 
-def _core_main(model: str, dtype: str | None, device: str, config: EngineConfig, inbox, outbox,
-               log_config: dict | None):
+
+class _Router:
+    """The core's publish callback: each worker gets its requests' events (one message per step)."""
+
+    def __init__(self, outboxes):
+        self.outboxes = outboxes
+        self._last_sent = [0.0] * len(outboxes)
+
+    def __call__(self, pairs, stats) -> None:
+        if len(self.outboxes) == 1:
+            self.outboxes[0].put(("events", pairs, stats))
+            return
+        mine: list[list] = [[] for _ in self.outboxes]
+        for request_id, event in pairs:
+            mine[int(request_id.split(":", 1)[0])].append((request_id, event))
+        now = time.monotonic()
+        for worker, (outbox, events) in enumerate(zip(self.outboxes, mine)):
+            if events or now - self._last_sent[worker] >= STATS_REFRESH_S:
+                outbox.put(("events", events, stats))
+                self._last_sent[worker] = now
+
+    def broadcast(self, message) -> None:
+        for outbox in self.outboxes:
+            outbox.put(message)
+
+
+def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, inbox, outboxes,
+              log_config: dict | None):
+    """The core process: loads the model, then steps until told to stop."""
     if log_config is not None:
         logging.config.dictConfig(log_config)
     transformers.utils.logging.disable_progress_bar()
+    router = _Router(outboxes)
     try:
         loaded = load_model(model, dtype=dtype, device=device)
-        core = EngineCore(loaded, config, lambda pairs, stats: outbox.put(("events", pairs, stats)))
-        outbox.put(("ready", core.info))
+        core = EngineCore(loaded, config, router)
+        router.broadcast(("ready", core.info))
         core.run(inbox)
-        outbox.put(("stopped",))
-    except BaseException as exc:                 # tell the server before the process ends
+        router.broadcast(("stopped",))
+    except BaseException as exc:                 # tell the servers before the process ends
         log.exception("engine core failed")
-        outbox.put(("fatal", f"{type(exc).__name__}: {exc}"))
+        router.broadcast(("fatal", f"{type(exc).__name__}: {exc}"))
+
+
+class EngineChannel:
+    """One worker's end of a shared core: the common inbox, its own outbox, its number."""
+
+    def __init__(self, inbox, outbox, worker: int):
+        self.inbox, self.outbox, self.worker = inbox, outbox, worker
+
+
+def start_shared_core(model: str, dtype: str | None, device: str, config: EngineConfig, workers: int,
+                      log_config: dict | None = None):
+    """Starts a core process for ``workers`` HTTP workers; returns it and one channel per worker."""
+    ctx = mp.get_context("spawn")
+    inbox = ctx.Queue()
+    outboxes = [ctx.Queue() for _ in range(workers)]
+    process = ctx.Process(target=core_main, name="engine-core", daemon=True,
+                          args=(model, dtype, device, config, inbox, outboxes, log_config))
+    process.start()
+    return process, [EngineChannel(inbox, outbox, i) for i, outbox in enumerate(outboxes)]
+
+
+def stop_shared_core(process, channel: EngineChannel, timeout: float = 30.0) -> None:
+    if process.is_alive():
+        channel.inbox.put(("stop", None))
+        process.join(timeout=timeout)
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout=5)
 
 
 class ProcessEngine(EngineFrontend):
     def __init__(self, model: str, dtype: str | None = None, device: str = "cpu", config: EngineConfig | None = None,
-                 log_config: dict | None = None):
-        """``log_config``: a ``logging.config.dictConfig`` dict for the core process."""
+                 log_config: dict | None = None, *, channel: EngineChannel | None = None):
+        """``log_config``: a ``logging.config.dictConfig`` dict for the core process. With
+        ``channel`` this front end joins a core another process started (``start_shared_core``)
+        and leaves starting and stopping it to that process."""
         super().__init__(config or EngineConfig())
         self.tokenizer = load_tokenizer(model)
-        ctx = mp.get_context("spawn")
-        self._inbox = ctx.Queue()
-        self._outbox = ctx.Queue()
-        self._process = ctx.Process(target=_core_main, name="engine-core", daemon=True,
-                                    args=(model, dtype, device, self.config, self._inbox, self._outbox,
-                                          log_config))
+        if channel is None:
+            ctx = mp.get_context("spawn")
+            self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+            self._process = ctx.Process(target=core_main, name="engine-core", daemon=True,
+                                        args=(model, dtype, device, self.config, self._inbox, [self._outbox],
+                                              log_config))
+        else:
+            self._inbox, self._outbox, self._process = channel.inbox, channel.outbox, None
+            self.id_prefix = f"{channel.worker}:"
         self._reader: threading.Thread | None = None
 
+    def _core_gone(self) -> str | None:
+        if self._process is not None and not self._process.is_alive():
+            return f"the engine process exited with code {self._process.exitcode}"
+        return None
+
     def start(self) -> None:
-        """Starts the core process and blocks until its model is loaded and its graphs captured."""
-        self._process.start()
+        """Starts the core process (unless shared) and blocks until its model is loaded and its
+        graphs captured."""
+        if self._process is not None:
+            self._process.start()
         while True:
             try:
                 message = self._outbox.get(timeout=1.0)
                 break
             except queue.Empty:
-                if not self._process.is_alive():
-                    raise RuntimeError(f"the engine process exited with code {self._process.exitcode}")
+                gone = self._core_gone()
+                if gone:
+                    raise RuntimeError(gone)
         if message[0] != "ready":
             raise RuntimeError(f"the engine process failed to start: {message[-1]}")
         self.info = message[1]
@@ -74,9 +149,10 @@ class ProcessEngine(EngineFrontend):
             try:
                 message = self._outbox.get(timeout=1.0)
             except queue.Empty:
-                if self._process.is_alive():
+                gone = self._core_gone()
+                if gone is None:
                     continue
-                message = ("fatal", f"the engine process exited with code {self._process.exitcode}")
+                message = ("fatal", gone)
             kind = message[0]
             if kind == "events":
                 self._publish(message[1], message[2])
@@ -89,12 +165,9 @@ class ProcessEngine(EngineFrontend):
 
     def shutdown(self) -> None:
         self.ready = False
-        if self._process.is_alive():
-            self._inbox.put(("stop", None))
-            self._process.join(timeout=30)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(timeout=5)
+        if self._process is None:
+            return                                 # the shared core's owner stops it
+        stop_shared_core(self._process, EngineChannel(self._inbox, self._outbox, 0))
         for q in (self._inbox, self._outbox):
             q.close()
             q.join_thread()

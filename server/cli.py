@@ -1,0 +1,221 @@
+"""``python -m server``: serve a model over HTTP (the command line; ``__main__.py`` runs it).
+
+Every option also reads an environment variable (HOST, PORT, MODEL, API_KEY, ...: the option's
+name in upper case with '-' as '_'); a command-line flag wins over the environment.
+"""
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+
+from .logging_config import configure_logging, log_config
+from .settings import Settings
+
+log = logging.getLogger("server")
+
+# Engine sizing flags, passed to EngineConfig only when given (else the engine's defaults hold).
+ENGINE_FLAGS = {
+    "block_size": (int, "KV cache block size in tokens"),
+    "num_blocks": (int, "KV cache blocks (default: sized from memory)"),
+    "cpu_kv_cache_tokens": (int, "KV cache tokens on the CPU when --num-blocks is not given"),
+    "gpu_memory_fraction": (float, "share of GPU memory for weights, KV cache and graphs"),
+    "max_batch": (int, "sequences decoded in one step"),
+    "max_model_len": (int, "context length cap (default: the model's)"),
+    "max_prefill_tokens": (int, "prompt tokens admitted per step"),
+    "prefill_delay_steps": (int, "decode steps an arriving prompt may wait, while others decode, to be "
+                                 "prefilled together with later arrivals (0: at once)"),
+    "max_waiting_requests": (int, "queue bound in requests; past it requests get 429"),
+    "max_waiting_tokens": (int, "queue bound in prompt + max_new tokens; past it requests get 429"),
+}
+
+
+def _env(name: str, default=None):
+    return os.environ.get(name.upper().replace("-", "_"), default)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    d = Settings()
+    p = argparse.ArgumentParser(prog="python -m server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default=_env("host", d.host), help="bind address (default %(default)s)")
+    p.add_argument("--port", type=int, default=int(_env("port", d.port)), help="(default %(default)s)")
+    p.add_argument("--model", default=_env("model", d.model),
+                   help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder, a .gguf "
+                        "file or random:<preset>")
+    p.add_argument("--dtype", default=_env("dtype"), choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--device", default=_env("device", "auto"), help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--api-key", default=_env("api_key"),
+                   help="require 'Authorization: Bearer <key>' on everything but /health")
+    p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", d.max_body_bytes)),
+                   help="larger request bodies answer 413 (default %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=_env("max_prompt_tokens"),
+                   help="longest prompt accepted (default: the context length less one)")
+    p.add_argument("--default-max-new-tokens", type=int,
+                   default=int(_env("default_max_new_tokens", d.default_max_new_tokens)),
+                   help="tokens generated when a TGI or chat request names no limit "
+                        "(/v1/completions: OpenAI's 16, or this if lower)")
+    p.add_argument("--log-prompts", action="store_true", default=_env("log_prompts") == "1",
+                   help="debug: write prompts and generated text into the logs")
+    p.add_argument("--log-level", default=_env("log_level", d.log_level),
+                   choices=["debug", "info", "warning", "error"])
+    engine = p.add_argument_group("engine sizing")
+    for name, (kind, help_text) in ENGINE_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        value = _env(name)
+        engine.add_argument(flag, type=kind, default=kind(value) if value else None, help=help_text)
+    engine.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
+    engine.add_argument("--prefill-graph-buckets", default=_env("prefill_graph_buckets"),
+                        type=lambda v: () if v in ("", "off") else tuple(int(x) for x in v.split(",") if x),
+                        help="comma-separated token counts: whole prompts packed up to one of these replay "
+                             "a CUDA graph ('off': always eager; default 128,256,...,4096 on a GPU)")
+    engine.add_argument("--compile", action="store_true", default=_env("compile") == "1",
+                        help="torch.compile the decode step before capturing its graphs")
+    engine.add_argument("--api-workers", type=int, default=int(_env("api_workers", 1)),
+                        help="HTTP worker processes in front of the one engine process (default %(default)s); "
+                             "queue limits apply per worker")
+    engine.add_argument("--engine-thread", action="store_true", default=_env("engine_thread") == "1",
+                        help="run the engine in a thread of the server process instead of a process of its own")
+    args = p.parse_args(argv)
+    if args.max_prompt_tokens is not None:
+        args.max_prompt_tokens = int(args.max_prompt_tokens)
+    return args
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    return Settings(host=args.host, port=args.port, model=args.model, dtype=args.dtype,
+                    device=resolve_device(args.device), api_key=args.api_key or None,
+                    max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                    default_max_new_tokens=args.default_max_new_tokens,
+                    log_prompts=args.log_prompts, log_level=args.log_level)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    if args.no_cuda_graphs:
+        options["cuda_graphs"] = False
+    if args.compile:
+        options["compile"] = True
+    if args.prefill_graph_buckets is not None:
+        buckets = args.prefill_graph_buckets
+        options["prefill_graph_buckets"] = buckets if isinstance(buckets, tuple) else \
+            (() if buckets in ("", "off") else tuple(int(x) for x in buckets.split(",") if x))
+    return options
+
+
+def make_loader(args, settings: Settings, channel=None):
+    from models import load_model
+    from server.engine import Engine, EngineConfig, ProcessEngine
+
+    config = EngineConfig(**engine_options(args))
+
+    def load():
+        if args.engine_thread:
+            return Engine(load_model(settings.model, dtype=settings.dtype, device=settings.device), config)
+        return ProcessEngine(settings.model, dtype=settings.dtype, device=settings.device, config=config,
+                             log_config=log_config(args.log_level), channel=channel)
+    return load
+
+
+def serve(args, settings: Settings, channel=None, sockets=None) -> int:
+    """Runs uvicorn with the app until it is told to stop; 1 if the model could not be loaded."""
+    import uvicorn
+
+    from .app import create_app
+
+    failed: list[str] = []
+
+    def stop_on_load_error(message: str) -> None:
+        failed.append(message)
+        server.should_exit = True
+
+    app = create_app(settings=settings, loader=make_loader(args, settings, channel), on_load_error=stop_on_load_error)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_config=log_config(settings.log_level),
+        access_log=False, timeout_graceful_shutdown=5))
+    server.run(sockets=sockets)
+    if failed:
+        log.error("exiting: the model could not be loaded", extra={"fields": {"error": failed[0]}})
+        return 1
+    return 0
+
+
+def _api_worker(argv: list[str], channel, sock) -> None:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    sys.exit(serve(args, settings_from(args), channel=channel, sockets=[sock]))
+
+
+def serve_workers(args, argv: list[str], settings: Settings) -> int:
+    """One engine process, ``args.api_workers`` HTTP processes sharing the listening socket."""
+    import multiprocessing as mp
+    import shutil
+    import signal
+    import tempfile
+    import time
+
+    import uvicorn
+
+    from server.engine import EngineConfig
+    from server.engine.process import start_shared_core, stop_shared_core
+
+    # counters and histograms summed over the workers (server/metrics.py)
+    metrics_dir = None
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="flashdecode-metrics-")
+    sock = uvicorn.Config(app=None, host=settings.host, port=settings.port).bind_socket()
+    core, channels = start_shared_core(settings.model, settings.dtype, settings.device,
+                                       EngineConfig(**engine_options(args)), args.api_workers,
+                                       log_config(args.log_level))
+    ctx = mp.get_context("spawn")
+    workers = [ctx.Process(target=_api_worker, args=(argv, channel, sock), name=f"api-worker-{channel.worker}")
+               for channel in channels]
+    for worker in workers:
+        worker.start()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        while core.is_alive() and all(w.is_alive() for w in workers):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()                 # SIGTERM: uvicorn finishes gracefully
+        for worker in workers:
+            worker.join(timeout=15)
+        stop_shared_core(core, channels[0])
+        sock.close()
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    codes = [w.exitcode for w in workers]
+    return 0 if all(code in (0, -signal.SIGTERM) for code in codes) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    settings = settings_from(args)
+    if args.api_workers < 1:
+        log.error("--api-workers must be at least 1")
+        return 2
+    if args.api_workers > 1 and args.engine_thread:
+        log.error("--api-workers > 1 needs the engine in a process of its own (drop --engine-thread)")
+        return 2
+    shown = {k: v for k, v in dataclasses.asdict(settings).items() if k != "api_key"}
+    log.info("starting", extra={"fields": {"settings": shown, "api_key": bool(settings.api_key),
+                                           "engine": engine_options(args), "api_workers": args.api_workers}})
+    if args.api_workers > 1:
+        return serve_workers(args, argv, settings)
+    return serve(args, settings)
+

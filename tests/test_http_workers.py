@@ -1,0 +1,41 @@
+"""Several HTTP worker processes in front of one engine process (``--api-workers``)."""
+
+import asyncio
+import json
+
+import httpx
+
+from .conftest import metric_value
+
+
+async def stream(client: httpx.AsyncClient, url: str, new_tokens: int) -> list[dict]:
+    events = []
+    async with client.stream("POST", url + "/generate_stream",
+                             json={"inputs": "Count slowly:", "parameters": {"max_new_tokens": new_tokens}}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[5:]))
+    return events
+
+
+def test_two_workers_share_one_engine_and_their_metrics(start_server):
+    server = start_server("--api-workers", "2")
+    requests, new_tokens = 8, 6
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(stream(client, server.url, new_tokens) for _ in range(requests)))
+
+    results = asyncio.run(main())
+    for events in results:
+        assert [e["index"] for e in events] == list(range(1, new_tokens + 1))
+        assert events[-1]["details"]["generated_tokens"] == new_tokens
+        assert events[-1]["generated_text"] == "".join(e["token"]["text"] for e in events)
+    assert server.log_path.read_text(errors="replace").count("Application startup complete") == 2
+    # every worker's /metrics sums the counters of both
+    for _ in range(4):
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        assert metric_value(text, "llm_requests_finished_total", 'reason="length"') == requests
+        assert metric_value(text, "llm_generation_tokens_total") == requests * new_tokens
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
