@@ -4,8 +4,6 @@
 tensors; both compute the same split-KV algorithm (see ``reference.py`` and ``csrc/``).
 """
 
-import torch
-
 from .paging import cache_shape, pack_paged
 from .planner import plan_num_splits
 from .reference import reference_decode, reference_write_kv
