@@ -280,3 +280,19 @@ def test_arrivals_wait_to_be_prefilled_together_while_others_decode():
         sched.add(seq(name))
     assert isinstance(sched.schedule(), DecodeStep)
     assert isinstance(sched.schedule(), PrefillStep)
+
+
+def test_by_default_an_arrival_is_prefilled_at_the_next_step():
+    from server.engine.scheduler import DecodeStep, PrefillStep, Scheduler
+    from server.engine.sequence import Sequence
+
+    sched = Scheduler(BlockManager(64, 16), max_batch=8, max_prefill_tokens=4096, max_model_len=512)
+    first = Sequence("first", list(range(10, 30)), SamplingParams(max_new_tokens=100), seed=0, detokenizer=None)
+    sched.add(first)
+    step = sched.schedule()
+    first.num_cached = first.length
+    sched.prefill_done(first)
+    assert isinstance(sched.schedule(), DecodeStep)
+    sched.add(Sequence("next", list(range(10, 20)), SamplingParams(max_new_tokens=5), seed=0, detokenizer=None))
+    step = sched.schedule()
+    assert isinstance(step, PrefillStep) and [s.request_id for s, _ in step.chunks] == ["next"]

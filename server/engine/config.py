@@ -13,7 +13,7 @@ class EngineConfig:
     max_batch: int = 256                     # sequences decoded in one step
     max_model_len: int | None = None         # None: the model's own context length
     max_prefill_tokens: int = 4096           # prompt tokens admitted per step (long prompts in chunks)
-    prefill_delay_steps: int = 8             # decode steps arrivals may wait to be prefilled together
+    prefill_delay_steps: int = 0             # decode steps arrivals may wait to be prefilled together
     max_waiting_requests: int = 1024         # queue bound: admission answers QueueFullError past it
     max_waiting_tokens: int = 4_000_000      # queue bound in prompt + max_new tokens
     cuda_graphs: bool = True

@@ -1,11 +1,12 @@
 """Iteration-level scheduling: which sequences run in the next model step.
 
 A step is either a prefill (prompt chunks of waiting sequences, under a token budget) or a
-decode (one token for every running sequence). While streams are decoding, arrivals are
-gathered for up to ``prefill_delay_steps`` decode steps (or until they fill the token budget or
-the free batch rows) and prefilled together: a prefill's cost is mostly per step, not per prompt,
-so one prefill of eight prompts stalls the running streams about as long as one of one prompt
-(TGI's waiting_served_ratio / max_waiting_tokens follow the same idea). Prefill steps never run
+decode (one token for every running sequence). By default an arrival is prefilled at the next
+step and decodes from the one after. With ``prefill_delay_steps`` > 0, arrivals while streams
+decode are gathered for up to that many decode steps (or until they fill the token budget or
+the free batch rows) and prefilled together: a prefill's cost is mostly per step, not per
+prompt, so under many concurrent streams one prefill of eight prompts stalls them about as long
+as one of one prompt (TGI's waiting_served_ratio / max_waiting_tokens). Prefill steps never run
 twice in a row while streams decode, so long prompts, cut into chunks, never stall them. When
 the pool cannot hold the next decode token, the newest running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed later.

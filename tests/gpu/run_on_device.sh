@@ -60,7 +60,7 @@ if want http; then
   stamp "HTTP load test"
   engine_json=${ENGINE_JSON:-$OUT/engine_bench.json}
   timeout 300 python3 -m load_tests.loadgen \
-      --serve "--model random:smollm2-135m --device cuda${API_WORKERS:+ --api-workers $API_WORKERS}" \
+      --serve "--model random:smollm2-135m --device cuda --prefill-delay-steps ${PREFILL_DELAY_STEPS:-8}${API_WORKERS:+ --api-workers $API_WORKERS}" \
       --concurrency 1,16,64,256 --input-len 128 --output-len 256 --no-progress --workers 4 \
       --engine-json "$engine_json" --out-dir "$OUT/http" 2>&1 | tee "$OUT/http.log" | tail -30
   grep -E "tok/s|ready|captured" "$OUT/http/server.log" | tail -40
