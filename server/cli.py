@@ -157,6 +157,7 @@ def _api_worker(argv: list[str], channel, sock) -> None:
 
 def serve_workers(args, argv: list[str], settings: Settings) -> int:
     """One engine process, ``args.api_workers`` HTTP processes sharing the listening socket."""
+    import glob
     import multiprocessing as mp
     import shutil
     import signal
@@ -170,7 +171,10 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
 
     # counters and histograms summed over the workers (server/metrics.py)
     metrics_dir = None
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        for old in glob.glob(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "*.db")):
+            os.remove(old)                         # an earlier run's counts (prometheus_client asks for this)
+    else:
         metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="flashdecode-metrics-")
     sock = uvicorn.Config(app=None, host=settings.host, port=settings.port).bind_socket()
     core, channels = start_shared_core(settings.model, settings.dtype, settings.device,
@@ -182,23 +186,32 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
     for worker in workers:
         worker.start()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    core_died = False
     try:
         while core.is_alive() and all(w.is_alive() for w in workers):
             time.sleep(0.5)
+        core_died = not core.is_alive()
     except KeyboardInterrupt:
         pass
     finally:
+        if core_died:                              # open streams end with an error event
+            for channel in channels:
+                channel.outbox.put(("fatal", f"the engine process exited with code {core.exitcode}"))
+            log.error("the engine process exited", extra={"fields": {"exitcode": core.exitcode}})
         for worker in workers:
             if worker.is_alive():
                 worker.terminate()                 # SIGTERM: uvicorn finishes gracefully
         for worker in workers:
             worker.join(timeout=15)
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=5)
         stop_shared_core(core, channels[0])
         sock.close()
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     codes = [w.exitcode for w in workers]
-    return 0 if all(code in (0, -signal.SIGTERM) for code in codes) else 1
+    return 0 if not core_died and all(code in (0, -signal.SIGTERM) for code in codes) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,8 +88,8 @@ async def openai_stream(gen: Generation, *, head: list[dict], chunk: Callable[[d
         async for event in gen:
             if isinstance(event, TokenEvent):
                 choice = token_choice(event)
-                if choice is not None:
-                    yield sse_json({**chunk(choice), **extra})
+                # b"" when nothing shows yet: lets the coalescer send what it holds
+                yield sse_json({**chunk(choice), **extra}) if choice is not None else b""
                 continue
             if event.reason in ("error", "abort"):
                 yield stream_error(event)

@@ -24,10 +24,13 @@ async def coalesced(chunks: AsyncIterator[bytes], generation: Generation) -> Asy
         async for chunk in chunks:
             buffer.append(chunk)
             if not generation.has_ready_events():
-                yield b"".join(buffer)
+                joined = b"".join(buffer)
                 buffer.clear()
-        if buffer:
-            yield b"".join(buffer)
+                if joined:
+                    yield joined
+        joined = b"".join(buffer)
+        if joined:
+            yield joined
     finally:
         aclose = getattr(chunks, "aclose", None)
         if aclose is not None:

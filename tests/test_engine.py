@@ -296,3 +296,11 @@ def test_by_default_an_arrival_is_prefilled_at_the_next_step():
     sched.add(Sequence("next", list(range(10, 20)), SamplingParams(max_new_tokens=5), seed=0, detokenizer=None))
     step = sched.schedule()
     assert isinstance(step, PrefillStep) and [s.request_id for s, _ in step.chunks] == ["next"]
+
+
+def test_warm_up_fits_a_small_pool_and_leaves_it_empty(tiny):
+    from server.engine import EngineCore
+
+    core = EngineCore(tiny, EngineConfig(max_batch=4, num_blocks=3, block_size=16), publish=lambda p, s: None)
+    core._warm_up()                        # runs on GPUs only at start-up; here it must just finish
+    assert not core.busy() and core.blocks.num_free == core.blocks.num_blocks

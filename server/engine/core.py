@@ -129,11 +129,19 @@ class EngineCore:
     def _warm_up(self) -> None:
         """A few throwaway requests through every path (prefill, decode graphs, sampling), so the
         first real request does not pay for lazily loaded kernels and library set-up."""
-        for i, length in enumerate((7, 100)):
-            self.add(f"warm-up-{i}", list(range(10, 10 + length)), SamplingParams(max_new_tokens=4, ignore_eos=True),
-                     seed=i)
-        while self.busy():
-            self.step()                            # events dropped: nobody is listening
+        new_tokens = 4
+        longest = min(100, self.max_model_len, self.runner.kv_tokens) - new_tokens
+        for i, length in enumerate(sorted({min(7, longest), longest})):
+            if length >= 1:
+                self.add(f"warm-up-{i}", list(range(10, 10 + length)),
+                         SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), seed=i)
+        for _ in range(1000):                      # events dropped: nobody is listening
+            if not self.busy():
+                break
+            self.step()
+        for seq in list(itertools.chain(self.scheduler.running, self.scheduler.waiting)):
+            self._finish(seq, "abort")             # only if the pool could not hold them
+        self._inflight = None
         self.steps = 0
 
     def stats(self) -> EngineStats:
@@ -163,6 +171,8 @@ class EngineCore:
                 now = time.monotonic()
                 stats.busy_s += now - started
                 failures = 0
+                if not self.busy():
+                    self.publish([], self.stats())   # front ends see the engine idle
                 if now - stats.since >= STATS_LOG_INTERVAL_S:
                     log.info("%s", stats.line(now, len(self.scheduler.running), len(self.scheduler.waiting),
                                               self.blocks.num_used / self.blocks.num_blocks))

@@ -12,6 +12,7 @@ to the worker whose number prefixes its id (``"2:..."``).
 import logging
 import logging.config
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -39,6 +40,9 @@ class _Router:
     def __call__(self, pairs, stats) -> None:
         if len(self.outboxes) == 1:
             self.outboxes[0].put(("events", pairs, stats))
+            return
+        if not pairs:                              # a state change worth telling everyone (idle)
+            self.broadcast(("events", [], stats))
             return
         mine: list[list] = [[] for _ in self.outboxes]
         for request_id, event in pairs:
@@ -70,13 +74,19 @@ def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, 
     except BaseException as exc:                 # tell the servers before the process ends
         log.exception("engine core failed")
         router.broadcast(("fatal", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+    finally:
+        if len(outboxes) > 1:
+            for outbox in outboxes:               # workers that already left read nothing more
+                outbox.cancel_join_thread()
 
 
 class EngineChannel:
-    """One worker's end of a shared core: the common inbox, its own outbox, its number."""
+    """One worker's end of a shared core: the common inbox, its own outbox, its number, and the
+    core's process id (to notice a core that died without a word)."""
 
-    def __init__(self, inbox, outbox, worker: int):
-        self.inbox, self.outbox, self.worker = inbox, outbox, worker
+    def __init__(self, inbox, outbox, worker: int, core_pid: int | None = None):
+        self.inbox, self.outbox, self.worker, self.core_pid = inbox, outbox, worker, core_pid
 
 
 def start_shared_core(model: str, dtype: str | None, device: str, config: EngineConfig, workers: int,
@@ -88,7 +98,7 @@ def start_shared_core(model: str, dtype: str | None, device: str, config: Engine
     process = ctx.Process(target=core_main, name="engine-core", daemon=True,
                           args=(model, dtype, device, config, inbox, outboxes, log_config))
     process.start()
-    return process, [EngineChannel(inbox, outbox, i) for i, outbox in enumerate(outboxes)]
+    return process, [EngineChannel(inbox, outbox, i, process.pid) for i, outbox in enumerate(outboxes)]
 
 
 def stop_shared_core(process, channel: EngineChannel, timeout: float = 30.0) -> None:
@@ -116,12 +126,20 @@ class ProcessEngine(EngineFrontend):
                                               log_config))
         else:
             self._inbox, self._outbox, self._process = channel.inbox, channel.outbox, None
+            self._core_pid = channel.core_pid
             self.id_prefix = f"{channel.worker}:"
         self._reader: threading.Thread | None = None
 
     def _core_gone(self) -> str | None:
-        if self._process is not None and not self._process.is_alive():
-            return f"the engine process exited with code {self._process.exitcode}"
+        if self._process is not None:
+            if not self._process.is_alive():
+                return f"the engine process exited with code {self._process.exitcode}"
+            return None
+        if self._core_pid is not None:
+            try:
+                os.kill(self._core_pid, 0)
+            except ProcessLookupError:
+                return "the engine process is gone"
         return None
 
     def start(self) -> None:
