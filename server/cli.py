@@ -106,9 +106,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     if args.compile:
         options["compile"] = True
     if args.prefill_graph_buckets is not None:
-        buckets = args.prefill_graph_buckets
-        options["prefill_graph_buckets"] = buckets if isinstance(buckets, tuple) else \
-            (() if buckets in ("", "off") else tuple(int(x) for x in buckets.split(",") if x))
+        options["prefill_graph_buckets"] = args.prefill_graph_buckets   # argparse parses a string default too
     return options
 
 
@@ -155,6 +153,10 @@ def _api_worker(argv: list[str], channel, sock) -> None:
     sys.exit(serve(args, settings_from(args), channel=channel, sockets=[sock]))
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def serve_workers(args, argv: list[str], settings: Settings) -> int:
     """One engine process, ``args.api_workers`` HTTP processes sharing the listening socket."""
     import glob
@@ -167,7 +169,7 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
     import uvicorn
 
     from server.engine import EngineConfig
-    from server.engine.process import start_shared_core, stop_shared_core
+    from server.engine.process import start_shared_core, stop_core
 
     # counters and histograms summed over the workers (server/metrics.py)
     metrics_dir = None
@@ -185,7 +187,7 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
                for channel in channels]
     for worker in workers:
         worker.start()
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)           # docker stop: shut down as on Ctrl-C
     core_died = False
     try:
         while core.is_alive() and all(w.is_alive() for w in workers):
@@ -206,7 +208,7 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5)
-        stop_shared_core(core, channels[0])
+        stop_core(core, channels[0].inbox)
         sock.close()
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -81,7 +81,6 @@ class PrefillGraphs:
             starts.append(length)                          # the padding rows: a sequence of their own
         last = [s - 1 for s in starts[1:len(chunks) + 1]]
         host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int32)
-        padded_starts = starts + [starts[-1]] * (self.max_seqs + 2 - len(starts))
         rows = torch.tensor(last + [0] * (self.max_seqs - len(last)), dtype=torch.int64)
         if self.device.type == "cuda":
             host, rows = host.pin_memory(), rows.pin_memory()
@@ -89,7 +88,7 @@ class PrefillGraphs:
         self.ids[0, :length].copy_(values[0])
         self.positions[0, :length].copy_(values[1])
         self.slots[:length].copy_(values[2])
-        self.starts.copy_(torch.tensor(padded_starts, dtype=torch.int32), non_blocking=True)
+        self._load_starts(starts)
         self.last_rows.copy_(rows, non_blocking=True)
         if length in self.graphs:
             graph, logits = self.graphs[length]

@@ -101,9 +101,9 @@ def start_shared_core(model: str, dtype: str | None, device: str, config: Engine
     return process, [EngineChannel(inbox, outbox, i, process.pid) for i, outbox in enumerate(outboxes)]
 
 
-def stop_shared_core(process, channel: EngineChannel, timeout: float = 30.0) -> None:
+def stop_core(process, inbox, timeout: float = 30.0) -> None:
     if process.is_alive():
-        channel.inbox.put(("stop", None))
+        inbox.put(("stop", None))
         process.join(timeout=timeout)
     if process.is_alive():
         process.terminate()
@@ -185,7 +185,7 @@ class ProcessEngine(EngineFrontend):
         self.ready = False
         if self._process is None:
             return                                 # the shared core's owner stops it
-        stop_shared_core(self._process, EngineChannel(self._inbox, self._outbox, 0))
+        stop_core(self._process, self._inbox)
         for q in (self._inbox, self._outbox):
             q.close()
             q.join_thread()
