@@ -21,6 +21,7 @@ import torch
 
 from models import load_model
 from server.engine import EngineConfig, EngineCore, FinishEvent, SamplingParams
+from server.engine.output import OutputProcessor
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -34,12 +35,19 @@ def sync(device):
 
 
 def run_ours(core: EngineCore, prompts, new_tokens: int) -> float:
-    """Drives the engine core directly, as an offline batch job: no event loop in the way."""
+    """Drives the engine core directly, as an offline batch job: no event loop in the way. The
+    tokens are made into text in the same thread, as the in-process server does."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     finished = []
-    core.publish = lambda pairs, stats: finished.extend(e for _, e in pairs if isinstance(e, FinishEvent))
+    output = OutputProcessor(core.tokenizer)
+
+    def publish(pairs, stats):
+        finished.extend(e for _, e in output.process(pairs)[0] if isinstance(e, FinishEvent))
+
+    core.publish = publish
     started = time.perf_counter()
     for i, prompt in enumerate(prompts):
+        output.add(f"bench-{i}", prompt, params)
         core.add(f"bench-{i}", prompt, params, seed=i)
     core.run_until_idle()
     elapsed = time.perf_counter() - started

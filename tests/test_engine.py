@@ -219,7 +219,7 @@ def test_padded_single_prompt_prefill_matches_the_packed_one(tiny):
         blocks = BlockManager(runner.num_blocks, runner.block_size)
         chunks = []
         for n in lengths:
-            seq = Sequence(f"s{n}", [7 + (i * 13) % 3000 for i in range(n)], SamplingParams(), 0, None)
+            seq = Sequence(f"s{n}", [7 + (i * 13) % 3000 for i in range(n)], SamplingParams(), 0)
             blocks.grow(seq.block_table, n)
             chunks.append((seq, n))
         with torch.inference_mode():
@@ -251,7 +251,7 @@ def test_arrivals_wait_to_be_prefilled_together_while_others_decode():
     from server.engine.sequence import Sequence
 
     def seq(name):
-        return Sequence(name, list(range(10, 30)), SamplingParams(max_new_tokens=100), seed=0, detokenizer=None)
+        return Sequence(name, list(range(10, 30)), SamplingParams(max_new_tokens=100), seed=0)
 
     def prefill(step):
         for s, take in step.chunks:
@@ -287,13 +287,13 @@ def test_by_default_an_arrival_is_prefilled_at_the_next_step():
     from server.engine.sequence import Sequence
 
     sched = Scheduler(BlockManager(64, 16), max_batch=8, max_prefill_tokens=4096, max_model_len=512)
-    first = Sequence("first", list(range(10, 30)), SamplingParams(max_new_tokens=100), seed=0, detokenizer=None)
+    first = Sequence("first", list(range(10, 30)), SamplingParams(max_new_tokens=100), seed=0)
     sched.add(first)
     step = sched.schedule()
     first.num_cached = first.length
     sched.prefill_done(first)
     assert isinstance(sched.schedule(), DecodeStep)
-    sched.add(Sequence("next", list(range(10, 20)), SamplingParams(max_new_tokens=5), seed=0, detokenizer=None))
+    sched.add(Sequence("next", list(range(10, 20)), SamplingParams(max_new_tokens=5), seed=0))
     step = sched.schedule()
     assert isinstance(step, PrefillStep) and [s.request_id for s, _ in step.chunks] == ["next"]
 

@@ -55,12 +55,12 @@ def test_teacher_forced_logits_match_sdpa(ours, sdpa_model, fused):
     runner = ModelRunner(ours, EngineConfig(max_batch=4, num_blocks=32, block_size=16, fused_layers=fused),
                          max_model_len=512)
     blocks = BlockManager(runner.num_blocks, runner.block_size)
-    seq = Sequence("tf", prompt, SamplingParams(), seed=0, detokenizer=None)
+    seq = Sequence("tf", prompt, SamplingParams(), seed=0)
     blocks.grow(seq.block_table, seq.length)
     got = [runner.prefill([(seq, seq.length)])[0]]
     seq.num_cached = seq.length
     for token in continuation[:-1]:
-        seq.output_ids.append(token)
+        seq.append(token)
         blocks.grow(seq.block_table, seq.length)
         got.append(runner.decode([seq])[0])
         seq.num_cached = seq.length

@@ -1,7 +1,8 @@
 """The engine core: scheduler, KV pool, model runner and sampler, stepping in one thread.
 
 It takes requests and aborts from an inbox and hands every step's events, tagged with their
-request ids, to ``publish`` together with a snapshot of its state. It runs in a thread of the
+request ids, to ``publish`` together with a snapshot of its state. Events carry token ids; the
+front end makes the text (``output.py``). It runs in a thread of the
 server (``Engine``) or in a process of its own (``ProcessEngine``); it never sees asyncio.
 """
 
@@ -18,7 +19,6 @@ from models import LoadedModel
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer, step_all
 from .model_runner import ModelRunner
 from .params import FinishEvent, SamplingParams, TokenEvent
 from .sampler import SamplingRows, sample
@@ -40,14 +40,15 @@ class StepStats:
     def reset(self, now: float) -> None:
         self.since = now
         self.decode_steps = self.prefill_steps = self.prompt_tokens = self.generated = 0
-        self.busy_s = 0.0
+        self.busy_s = self.device_wait_s = 0.0
 
     def line(self, now: float, running: int, waiting: int, kv_used: float) -> str:
         span = max(now - self.since, 1e-9)
         steps = self.decode_steps + self.prefill_steps
         return (f"prompt {self.prompt_tokens / span:.0f} tok/s, generation {self.generated / span:.0f} tok/s; "
                 f"{self.decode_steps / span:.0f} decode + {self.prefill_steps / span:.1f} prefill steps/s, "
-                f"{1e3 * self.busy_s / max(steps, 1):.2f} ms per step; running {running}, waiting {waiting}, "
+                f"{1e3 * self.busy_s / max(steps, 1):.2f} ms per step ({1e3 * self.device_wait_s / max(steps, 1):.2f} "
+                f"waiting for the device); running {running}, waiting {waiting}, "
                 f"KV cache {100 * kv_used:.1f}% used")
 MAX_FAILED_STEPS = 3
 
@@ -90,9 +91,15 @@ class Inflight:
             done.record()
         return cls(seqs, host, ids.shape[0], logprobs is not None, done)
 
+    def wait(self) -> float:
+        """Blocks until the copy has landed; returns the seconds spent waiting."""
+        if self._done is None:
+            return 0.0
+        started = time.monotonic()
+        self._done.synchronize()
+        return time.monotonic() - started
+
     def read(self) -> tuple[list[int], list[float] | None]:
-        if self._done is not None:
-            self._done.synchronize()
         n = self._count
         values = self._host[:2 * n if self._with_logprobs else n].tolist()
         return [int(v) for v in values[:n]], (values[n:] if self._with_logprobs else None)
@@ -194,8 +201,7 @@ class EngineCore:
             self._publish(self.step())
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        self.scheduler.add(Sequence(request_id, prompt_ids, params, seed, detok))
+        self.scheduler.add(Sequence(request_id, prompt_ids, params, seed))
 
     def abort(self, request_id: str) -> None:
         for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
@@ -243,12 +249,16 @@ class EngineCore:
             seq.pending += 1
         self._inflight = Inflight.launch(work.seqs, ids, logprobs, *self._readback[self.steps % 2])
         if inflight is not None:
-            events += self._emit(inflight.seqs, *inflight.read())
+            events += self._emit(inflight.seqs, *self._read(inflight))
         return events
+
+    def _read(self, inflight: Inflight):
+        self.step_stats.device_wait_s += inflight.wait()
+        return inflight.read()
 
     def _complete_inflight(self) -> list:
         inflight, self._inflight = self._inflight, None
-        return self._emit(inflight.seqs, *inflight.read()) if inflight else []
+        return self._emit(inflight.seqs, *self._read(inflight)) if inflight else []
 
     def _prefill(self, work: PrefillStep) -> list:
         for seq, _ in work.chunks:
@@ -268,7 +278,7 @@ class EngineCore:
         ids, logprobs = sample(logits, self._sampling_rows(seqs))
         for seq in seqs:
             seq.pending += 1
-        return self._emit(seqs, *Inflight.launch(seqs, ids, logprobs, *self._readback[2]).read())
+        return self._emit(seqs, *self._read(Inflight.launch(seqs, ids, logprobs, *self._readback[2])))
 
     def _sampling_rows(self, seqs) -> SamplingRows:
         return SamplingRows(
@@ -283,55 +293,31 @@ class EngineCore:
         )
 
     def _emit(self, seqs, token_ids, token_logprobs) -> list[tuple[Sequence, object]]:
-        """Apply read-back tokens; sequences that ended meanwhile (an abort, or a stop found in
-        the step before) drop theirs."""
+        """Apply read-back tokens; sequences that ended meanwhile (an abort, say) drop theirs.
+        Events carry token ids only: the front end turns them into text (``output.py``)."""
         for seq in seqs:
             seq.pending -= 1
-        live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
         now = time.monotonic()
-        deltas = self._detokenize([seqs[i] for i in live], [token_ids[i] for i in live])
         events = []
-        for i, delta in zip(live, deltas):
-            seq = seqs[i]
-            logprob = token_logprobs[i] if token_logprobs is not None and seq.params.logprobs else None
-            events.extend(self._append_token(seq, token_ids[i], logprob, delta, now))
+        for i, seq in enumerate(seqs):
+            if not seq.is_finished:
+                logprob = token_logprobs[i] if token_logprobs is not None and seq.params.logprobs else None
+                events.extend(self._append_token(seq, token_ids[i], logprob, now))
         return events
 
-    def _detokenize(self, seqs, token_ids) -> list[str]:
-        live = [i for i, (s, t) in enumerate(zip(seqs, token_ids)) if not self._is_eos(s, t)]
-        texts = step_all([seqs[i].detokenizer for i in live], [token_ids[i] for i in live], self.tokenizer)
-        deltas = [""] * len(seqs)
-        for i, text in zip(live, texts):
-            deltas[i] = text
-        return deltas
-
-    def _is_eos(self, seq: Sequence, token: int) -> bool:
-        return token in self.eos_ids and not seq.params.ignore_eos
-
-    def _append_token(self, seq: Sequence, token: int, logprob, delta: str, now: float):
-        seq.output_ids.append(token)
+    def _append_token(self, seq: Sequence, token: int, logprob, now: float):
+        seq.append(token)
         if seq.first_token is None:
             seq.first_token = now
-        is_eos = self._is_eos(seq, token)
-        special = token in self.special_ids
-        seq.text += delta
-        release, stopped = seq.stop_matcher.scan(seq.text, seq.emitted, len(delta))
         reason = None
-        if is_eos:
+        if token in self.eos_ids and not seq.params.ignore_eos:
             reason = "eos"
-        elif stopped:
-            reason = "stop"
-            seq.text = seq.text[:release]
         elif len(seq.output_ids) >= seq.params.max_new_tokens or seq.length >= self.max_model_len:
             reason = "length"
-        if reason is not None:
-            release = len(seq.text)                # nothing is held back once the text is final
-        out = seq.text[seq.emitted:release]
-        seq.emitted = release
-        events = [(seq, TokenEvent(token, out, logprob, special, now, reason is not None))]
-        if reason is not None:
-            events.append((seq, self._finish(seq, reason)))
-        return events
+        event = TokenEvent(token, "", logprob, token in self.special_ids, now, reason is not None)
+        if reason is None:
+            return ((seq, event),)
+        return (seq, event), (seq, self._finish(seq, reason))
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> FinishEvent:
         self._mark_scheduled(seq)
@@ -342,7 +328,7 @@ class EngineCore:
         timings = {"queue": (seq.first_scheduled or now) - seq.arrival,
                    "ttft": (seq.first_token - seq.arrival) if seq.first_token else None,
                    "total": now - seq.arrival}
-        return FinishEvent(reason, seq.text, len(seq.prompt_ids), len(seq.output_ids), error, timings)
+        return FinishEvent(reason, "", len(seq.prompt_ids), len(seq.output_ids), error, timings)
 
     def fail_all(self, message: str) -> None:
         seqs = list(itertools.chain(self.scheduler.running, self.scheduler.waiting))

@@ -2,8 +2,9 @@
 
 ``Engine`` runs the core in a thread of this process; ``ProcessEngine`` (process.py) runs it in
 a process of its own, so the core's per-token Python never competes with the HTTP layer for the
-interpreter lock. Both share this front end: request ids, queue bounds, length checks, and the
-fan-out of each step's events to the asyncio streams waiting for them.
+interpreter lock. Both share this front end: request ids, queue bounds, length checks, the text
+of each step's tokens (``output.py``), and the fan-out of its events to the asyncio streams
+waiting for them.
 """
 
 import asyncio
@@ -17,6 +18,7 @@ from models import LoadedModel
 from .config import EngineConfig
 from .core import EngineCore, EngineStats, ModelInfo
 from .errors import EngineDeadError, QueueFullError
+from .output import OutputProcessor
 from .params import FinishEvent, SamplingParams
 
 
@@ -53,9 +55,10 @@ class RequestStream:
 
 
 class EngineFrontend:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tokenizer):
         self.config = config
-        self.tokenizer = None
+        self.tokenizer = tokenizer
+        self.output = OutputProcessor(tokenizer)
         self.info: ModelInfo | None = None
         self.error: str | None = None
         self.ready = False
@@ -114,6 +117,7 @@ class EngineFrontend:
         self._queued_tokens += tokens
         stream = RequestStream(self, request_id, len(prompt_ids), tokens)
         self._streams[request_id] = stream
+        self.output.add(request_id, prompt_ids, params)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self._send(("add", (request_id, list(prompt_ids), params, seed)))
         return stream
@@ -122,7 +126,11 @@ class EngineFrontend:
         self._send(("abort", request_id))
 
     def _publish(self, pairs, stats: EngineStats) -> None:
-        """From the core's thread (or the reader of its process): hand events to the loops."""
+        """From the core's thread (or the reader of its process): text for the events, then hand
+        them to the loops."""
+        pairs, stopped = self.output.process(pairs)
+        for request_id in stopped:
+            self.abort(request_id)
         by_loop: dict = {}
         for request_id, event in pairs:
             stream = self._streams.get(request_id)
@@ -155,9 +163,8 @@ class Engine(EngineFrontend):
     """The core in a background thread of this process."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
-        super().__init__(config or EngineConfig())
+        super().__init__(config or EngineConfig(), loaded.tokenizer)
         self.core = EngineCore(loaded, self.config, self._publish)
-        self.tokenizer = loaded.tokenizer
         self.info = self.core.info
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None

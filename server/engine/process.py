@@ -1,7 +1,7 @@
 """The engine core in a process of its own.
 
-The server process keeps only the tokenizer and the asyncio streams; the core process owns the
-model and the GPU. Requests and aborts go down one queue; each step's events and a state
+The server process keeps the tokenizer (it makes the text of the tokens) and the asyncio
+streams; the core process owns the model and the GPU. Requests and aborts go down one queue; each step's events and a state
 snapshot come back up another, as one message per step.
 
 Several HTTP worker processes can share one core (``python -m server --api-workers N``): they
@@ -9,6 +9,7 @@ all send down the one queue, each has a queue of its own coming back, and a requ
 to the worker whose number prefixes its id (``"2:..."``).
 """
 
+import cProfile
 import logging
 import logging.config
 import multiprocessing as mp
@@ -24,10 +25,23 @@ from models import load_model, load_tokenizer
 from .config import EngineConfig
 from .core import EngineCore
 from .engine import EngineFrontend
+from .params import TokenEvent
 
 log = logging.getLogger(__name__)
 
 STATS_REFRESH_S = 0.5      # a worker with no events of its own still gets the engine's state this often
+PROFILE_ENV = "FLASHDECODE_CORE_PROFILE"   # a path: the core's main thread is profiled (cProfile) into it
+
+
+def _pack(pairs) -> list[tuple]:
+    """A step's events for the queue: token events as plain tuples, which pickle and unpickle
+    several times faster than the dataclass."""
+    return [(rid, e.token_id, e.logprob, e.special, e.time, e.last) if type(e) is TokenEvent else (rid, e)
+            for rid, e in pairs]
+
+
+def _unpack(rows) -> list[tuple[str, object]]:
+    return [(r[0], TokenEvent(r[1], "", r[2], r[3], r[4], r[5])) if len(r) == 6 else r for r in rows]
 
 
 class _Router:
@@ -39,7 +53,7 @@ class _Router:
 
     def __call__(self, pairs, stats) -> None:
         if len(self.outboxes) == 1:
-            self.outboxes[0].put(("events", pairs, stats))
+            self.outboxes[0].put(("events", _pack(pairs), stats))
             return
         if not pairs:                              # a state change worth telling everyone (idle)
             self.broadcast(("events", [], stats))
@@ -50,7 +64,7 @@ class _Router:
         now = time.monotonic()
         for worker, (outbox, events) in enumerate(zip(self.outboxes, mine)):
             if events or now - self._last_sent[worker] >= STATS_REFRESH_S:
-                outbox.put(("events", events, stats))
+                outbox.put(("events", _pack(events), stats))
                 self._last_sent[worker] = now
 
     def broadcast(self, message) -> None:
@@ -69,7 +83,7 @@ def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, 
         loaded = load_model(model, dtype=dtype, device=device)
         core = EngineCore(loaded, config, router)
         router.broadcast(("ready", core.info))
-        core.run(inbox)
+        _run_profiled(core, inbox, os.environ.get(PROFILE_ENV))
         router.broadcast(("stopped",))
     except BaseException as exc:                 # tell the servers before the process ends
         log.exception("engine core failed")
@@ -79,6 +93,20 @@ def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, 
         if len(outboxes) > 1:
             for outbox in outboxes:               # workers that already left read nothing more
                 outbox.cancel_join_thread()
+
+
+def _run_profiled(core: EngineCore, inbox, path: str | None) -> None:
+    if not path:
+        core.run(inbox)
+        return
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        core.run(inbox)
+    finally:
+        profiler.disable()
+        profiler.dump_stats(path)
+        log.info("engine core profile written to %s", path)
 
 
 class EngineChannel:
@@ -116,8 +144,7 @@ class ProcessEngine(EngineFrontend):
         """``log_config``: a ``logging.config.dictConfig`` dict for the core process. With
         ``channel`` this front end joins a core another process started (``start_shared_core``)
         and leaves starting and stopping it to that process."""
-        super().__init__(config or EngineConfig())
-        self.tokenizer = load_tokenizer(model)
+        super().__init__(config or EngineConfig(), load_tokenizer(model))
         if channel is None:
             ctx = mp.get_context("spawn")
             self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
@@ -173,7 +200,7 @@ class ProcessEngine(EngineFrontend):
                 message = ("fatal", gone)
             kind = message[0]
             if kind == "events":
-                self._publish(message[1], message[2])
+                self._publish(_unpack(message[1]), message[2])
             elif kind == "fatal":
                 self.error, self.ready = message[1], False
                 self._fail_streams(message[1])

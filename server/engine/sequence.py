@@ -3,7 +3,6 @@
 import enum
 import time
 
-from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .params import FinishReason, SamplingParams
 
 
@@ -14,30 +13,26 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
-                 detokenizer: IncrementalDetokenizer | None):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.seed = seed
         self.output_ids: list[int] = []
+        self.length = len(self.prompt_ids)        # prompt and output tokens
         self.block_table: list[int] = []
         self.num_cached = 0                      # tokens whose K/V are in the cache
         self.pending = 0                         # tokens sampled on the device, not yet read back
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
-        self.detokenizer = detokenizer
-        self.stop_matcher = StopMatcher(params.stop)
-        self.text = ""                           # decoded output so far
-        self.emitted = 0                         # characters of text already streamed
         self.arrival = time.monotonic()
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
         self.preemptions = 0
 
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+    def append(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.length += 1
 
     @property
     def total_len(self) -> int:

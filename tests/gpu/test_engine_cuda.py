@@ -23,12 +23,12 @@ def teacher_forced_logits(loaded, prompt, continuation, cuda_graphs, fused=True)
     runner = ModelRunner(loaded, EngineConfig(max_batch=4, num_blocks=64, block_size=32, cuda_graphs=cuda_graphs,
                                               graph_buckets=(1, 4), fused_layers=fused), max_model_len=1024)
     blocks = BlockManager(runner.num_blocks, runner.block_size)
-    seq = Sequence("tf", prompt, SamplingParams(), seed=0, detokenizer=None)
+    seq = Sequence("tf", prompt, SamplingParams(), seed=0)
     blocks.grow(seq.block_table, seq.length)
     rows = [runner.prefill([(seq, seq.length)])[0].float()]
     seq.num_cached = seq.length
     for token in continuation[:-1]:
-        seq.output_ids.append(token)
+        seq.append(token)
         blocks.grow(seq.block_table, seq.length)
         rows.append(runner.decode([seq])[0].float())
         seq.num_cached = seq.length
@@ -132,7 +132,7 @@ def test_prefill_graphs_match_the_eager_packed_prefill(together):
         blocks = BlockManager(runner.num_blocks, runner.block_size)
         chunks = []
         for n in lengths:
-            seq = Sequence(f"s{n}", prompts[n], SamplingParams(), seed=0, detokenizer=None)
+            seq = Sequence(f"s{n}", prompts[n], SamplingParams(), seed=0)
             blocks.grow(seq.block_table, n)
             chunks.append((seq, n))
         if together:

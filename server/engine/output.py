@@ -1,0 +1,97 @@
+"""From the core's token ids to text, per request: detokenizing and stop strings.
+
+The core streams token ids and knows nothing of text. This runs on the front end's side of
+the core (in each HTTP worker process, or in the thread that hands events to the server), so
+with several API workers the per-token text work is spread over their processes and kept off
+the core's step loop, as vLLM's output processor is. When a stop string shows up in the text,
+the request's last token event goes out at once and the core is asked to abort it; tokens the
+core produced meanwhile are dropped, and the finish event that follows reports the stop.
+"""
+
+import dataclasses
+
+from .detokenizer import IncrementalDetokenizer, StopMatcher, step_all
+from .params import FinishEvent, SamplingParams, TokenEvent
+
+
+class RequestText:
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stops = StopMatcher(params.stop)
+        self.text = ""                   # decoded output so far (cut at a stop string)
+        self.emitted = 0                 # characters of text already streamed
+        self.tokens = 0                  # tokens streamed (through the one completing a stop string)
+        self.stopped = False
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._requests: dict[str, RequestText] = {}
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self._requests[request_id] = RequestText(self.tokenizer, prompt_ids, params)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def process(self, pairs) -> tuple[list[tuple[str, object]], list[str]]:
+        """Takes one step's ``(request_id, event)`` pairs from the core; returns the pairs with
+        their text filled in (events of unknown or already stopped requests dropped) and the ids
+        of requests a stop string ended, which the core should abort."""
+        deltas = self._detokenize(pairs)
+        out, stopped = [], []
+        for i, (request_id, event) in enumerate(pairs):
+            state = self._requests.get(request_id)
+            if state is None:
+                continue
+            if isinstance(event, TokenEvent):
+                if state.stopped:
+                    continue
+                event = self._token(state, event, deltas.get(i, ""))
+                if state.stopped:
+                    stopped.append(request_id)
+            else:
+                del self._requests[request_id]
+                event = self._finish(state, event)
+            out.append((request_id, event))
+        return out, stopped
+
+    def _detokenize(self, pairs) -> dict[int, str]:
+        """The text delta of each token event's position in ``pairs``, in batched decode calls
+        (one per round, should a request have several tokens in one step)."""
+        todo = []
+        for i, (request_id, event) in enumerate(pairs):
+            state = self._requests.get(request_id)
+            if isinstance(event, TokenEvent) and state is not None and not state.stopped and not event.special:
+                todo.append((i, state, event.token_id))    # special tokens print nothing
+        deltas: dict[int, str] = {}
+        while todo:
+            seen, batch, later = set(), [], []
+            for item in todo:
+                (later if id(item[1]) in seen else batch).append(item)
+                seen.add(id(item[1]))
+            texts = step_all([s.detokenizer for _, s, _ in batch], [t for _, _, t in batch], self.tokenizer)
+            deltas.update((i, text) for (i, _, _), text in zip(batch, texts))
+            todo = later
+        return deltas
+
+    @staticmethod
+    def _token(state: RequestText, event: TokenEvent, delta: str) -> TokenEvent:
+        state.tokens += 1
+        state.text += delta
+        release, state.stopped = state.stops.scan(state.text, state.emitted, len(delta))
+        if state.stopped:
+            state.text = state.text[:release]
+        last = event.last or state.stopped
+        if last:
+            release = len(state.text)             # nothing is held back once the text is final
+        text = state.text[state.emitted:release]
+        state.emitted = release
+        return TokenEvent(event.token_id, text, event.logprob, event.special, event.time, last)
+
+    @staticmethod
+    def _finish(state: RequestText, event: FinishEvent) -> FinishEvent:
+        if state.stopped and event.reason != "error":
+            return dataclasses.replace(event, reason="stop", text=state.text, completion_tokens=state.tokens)
+        return dataclasses.replace(event, text=state.text)

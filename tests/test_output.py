@@ -1,0 +1,107 @@
+"""Text on the front end's side of the core: detokenizing, stop strings, and what a stop does."""
+
+import pytest
+
+from models import load_model
+from server.engine import Engine, EngineConfig, FinishEvent, SamplingParams, TokenEvent
+from server.engine.output import OutputProcessor
+
+from .helpers import run_all
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("random:tiny", dtype="float32", device="cpu")
+
+
+def token(token_id, last=False, special=False):
+    return TokenEvent(token_id, "", None, special, 0.0, last)
+
+
+def finish(reason, completion_tokens):
+    return FinishEvent(reason, "", 3, completion_tokens, None, {"total": 1.0})
+
+
+def feed(processor, request_id, token_ids, last_at=None):
+    """One step per token; returns the text events and the aborts asked for."""
+    out, aborts = [], []
+    for n, t in enumerate(token_ids):
+        events, stopped = processor.process([(request_id, token(t, last=n == last_at))])
+        out += events
+        aborts += stopped
+    return out, aborts
+
+
+def test_text_matches_a_whole_decode_and_the_finish_carries_it(tiny):
+    tok = tiny.tokenizer
+    ids = tok("Grüße aus Köln 🚀 und Tokyo")["input_ids"]
+    processor = OutputProcessor(tok)
+    processor.add("r", [1, 2, 3], SamplingParams())
+    events, aborts = feed(processor, "r", ids, last_at=len(ids) - 1)
+    [(_, done)], _ = processor.process([("r", finish("length", len(ids)))])
+    streamed = "".join(e.text for _, e in events)
+    assert streamed == tok.decode(ids, skip_special_tokens=True) == done.text
+    assert not aborts and done.reason == "length" and done.completion_tokens == len(ids)
+    assert len(processor) == 0
+
+
+def test_a_stop_string_cuts_the_text_asks_for_an_abort_and_drops_later_tokens(tiny):
+    tok = tiny.tokenizer
+    ids = tok(" alpha beta gamma delta epsilon")["input_ids"]
+    processor = OutputProcessor(tok)
+    processor.add("r", [1], SamplingParams(stop=("mma d",)))
+    events, aborts = feed(processor, "r", ids)
+    streamed = "".join(e.text for _, e in events)
+    assert streamed == " alpha beta ga" and aborts == ["r"]
+    assert events[-1][1].last and not any(e.last for _, e in events[:-1])
+    through_stop = len(events)                      # tokens after the one completing the stop are dropped
+    assert through_stop < len(ids)
+    [(_, done)], _ = processor.process([("r", finish("abort", len(ids)))])
+    assert done.reason == "stop" and done.text == streamed and done.completion_tokens == through_stop
+
+
+def test_text_that_may_begin_a_stop_is_held_back_until_the_last_token(tiny):
+    tok = tiny.tokenizer
+    ids = tok(" one two thr")["input_ids"]
+    processor = OutputProcessor(tok)
+    processor.add("r", [1], SamplingParams(stop=("three",)))
+    events, _ = feed(processor, "r", ids[:-1])
+    so_far = tok.decode(ids[:-1], skip_special_tokens=True)
+    assert "".join(e.text for _, e in events) == so_far[:len(so_far) - len("three") + 1]
+    events += feed(processor, "r", ids[-1:], last_at=0)[0]
+    assert "".join(e.text for _, e in events) == " one two thr"
+
+
+def test_two_tokens_of_one_request_in_one_step_keep_their_order(tiny):
+    tok = tiny.tokenizer
+    ids = tok(" red green")["input_ids"]
+    processor = OutputProcessor(tok)
+    processor.add("r", [1], SamplingParams())
+    events, _ = processor.process([("r", token(t)) for t in ids])
+    assert "".join(e.text for _, e in events) == " red green"
+
+
+def test_events_of_unknown_requests_are_dropped(tiny):
+    processor = OutputProcessor(tiny.tokenizer)
+    assert processor.process([("nobody", token(5)), ("nobody", finish("length", 1))]) == ([], [])
+
+
+def test_a_stop_string_ends_the_request_in_the_engine_and_frees_its_blocks(tiny):
+    engine = Engine(tiny, EngineConfig(max_batch=4, num_blocks=32, block_size=16))
+    engine.start()
+    try:
+        prompt = [5, 6, 7, 8]
+        (tokens, text, full), = run_all(engine, [(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))])
+        words = text.split()
+        assert full.reason == "length" and len(words) > 6, text
+        stop = words[len(words) // 2]
+        expected = text[:text.index(stop)]
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True, stop=(stop,))
+        (cut_tokens, cut_text, done), = run_all(engine, [(prompt, params)])
+        assert done.reason == "stop" and cut_text == done.text == expected
+        assert done.completion_tokens == len(cut_tokens) < len(tokens) and cut_tokens == tokens[:len(cut_tokens)]
+        stats = engine.stats()
+        assert stats.running == stats.waiting == 0
+        assert engine.core.blocks.num_free == engine.core.blocks.num_blocks
+    finally:
+        engine.shutdown()
