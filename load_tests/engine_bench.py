@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from models import load_model
-from server.engine import EngineConfig, EngineCore, FinishEvent, SamplingParams
+from server.engine import EngineConfig, EngineCore, FinishEvent, SamplingParams, freeze_startup_heap
 from server.engine.output import OutputProcessor
 
 
@@ -126,6 +126,7 @@ def main(argv=None):
     if args.hf:
         hf_model = copy.deepcopy(loaded.model)
         hf_model.set_attn_implementation("sdpa")
+    freeze_startup_heap()                 # as the server's engine process does once it is built
 
     rows = []
     for batch, prompt_len, new_tokens, modes in cases:

@@ -112,15 +112,18 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def make_loader(args, settings: Settings, channel=None):
     from models import load_model
-    from server.engine import Engine, EngineConfig, ProcessEngine
+    from server.engine import Engine, EngineConfig, ProcessEngine, freeze_startup_heap
 
     config = EngineConfig(**engine_options(args))
 
     def load():
         if args.engine_thread:
-            return Engine(load_model(settings.model, dtype=settings.dtype, device=settings.device), config)
-        return ProcessEngine(settings.model, dtype=settings.dtype, device=settings.device, config=config,
-                             log_config=log_config(args.log_level), channel=channel)
+            engine = Engine(load_model(settings.model, dtype=settings.dtype, device=settings.device), config)
+        else:
+            engine = ProcessEngine(settings.model, dtype=settings.dtype, device=settings.device, config=config,
+                                   log_config=log_config(args.log_level), channel=channel)
+        freeze_startup_heap()
+        return engine
     return load
 
 

@@ -23,7 +23,7 @@ import transformers
 from models import load_model, load_tokenizer
 
 from .config import EngineConfig
-from .core import EngineCore
+from .core import EngineCore, freeze_startup_heap
 from .engine import EngineFrontend
 from .params import TokenEvent
 
@@ -82,6 +82,7 @@ def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, 
     try:
         loaded = load_model(model, dtype=dtype, device=device)
         core = EngineCore(loaded, config, router)
+        freeze_startup_heap()
         router.broadcast(("ready", core.info))
         _run_profiled(core, inbox, os.environ.get(PROFILE_ENV))
         router.broadcast(("stopped",))
