@@ -71,10 +71,13 @@ def run_hf(model, prompts, new_tokens: int, mode: str) -> float:
 
 
 def interleaved(runners: dict, repeats: int) -> dict:
-    """Median seconds of each runner, taking turns so drifting machine load hits all alike."""
+    """Median seconds of each runner, taking turns so drifting machine load hits all alike. Each
+    run starts from a collected, frozen heap, so the objects an earlier run left behind (a
+    compile's, say) do not slow the next one's garbage collections."""
     samples = {name: [] for name in runners}
     for _ in range(repeats):
         for name, fn in runners.items():
+            freeze_startup_heap()
             try:
                 samples[name].append(fn())
             except torch.OutOfMemoryError:
@@ -126,7 +129,6 @@ def main(argv=None):
     if args.hf:
         hf_model = copy.deepcopy(loaded.model)
         hf_model.set_attn_implementation("sdpa")
-    freeze_startup_heap()                 # as the server's engine process does once it is built
 
     rows = []
     for batch, prompt_len, new_tokens, modes in cases:

@@ -39,56 +39,56 @@ class OutputProcessor:
         """Takes one step's ``(request_id, event)`` pairs from the core; returns the pairs with
         their text filled in (events of unknown or already stopped requests dropped) and the ids
         of requests a stop string ended, which the core should abort."""
-        deltas = self._detokenize(pairs)
+        states = [self._requests.get(request_id) for request_id, _ in pairs]
+        deltas = self._detokenize(pairs, states)
         out, stopped = [], []
-        for i, (request_id, event) in enumerate(pairs):
-            state = self._requests.get(request_id)
+        for (request_id, event), state, delta in zip(pairs, states, deltas):
             if state is None:
                 continue
-            if isinstance(event, TokenEvent):
+            if type(event) is TokenEvent:
                 if state.stopped:
                     continue
-                event = self._token(state, event, deltas.get(i, ""))
+                self._token(state, event, delta)
                 if state.stopped:
                     stopped.append(request_id)
+            elif self._requests.pop(request_id, None) is None:
+                continue
             else:
-                del self._requests[request_id]
                 event = self._finish(state, event)
             out.append((request_id, event))
         return out, stopped
 
-    def _detokenize(self, pairs) -> dict[int, str]:
-        """The text delta of each token event's position in ``pairs``, in batched decode calls
-        (one per round, should a request have several tokens in one step)."""
-        todo = []
-        for i, (request_id, event) in enumerate(pairs):
-            state = self._requests.get(request_id)
-            if isinstance(event, TokenEvent) and state is not None and not state.stopped and not event.special:
-                todo.append((i, state, event.token_id))    # special tokens print nothing
-        deltas: dict[int, str] = {}
+    def _detokenize(self, pairs, states) -> list[str]:
+        """The text delta of each token event in ``pairs``, in batched decode calls (one per
+        round, should a request have several tokens in one step)."""
+        deltas = [""] * len(pairs)
+        todo = [i for i, ((_, event), state) in enumerate(zip(pairs, states))
+                if state is not None and type(event) is TokenEvent and not state.stopped
+                and not event.special]                     # special tokens print nothing
         while todo:
             seen, batch, later = set(), [], []
-            for item in todo:
-                (later if id(item[1]) in seen else batch).append(item)
-                seen.add(id(item[1]))
-            texts = step_all([s.detokenizer for _, s, _ in batch], [t for _, _, t in batch], self.tokenizer)
-            deltas.update((i, text) for (i, _, _), text in zip(batch, texts))
+            for i in todo:
+                (later if id(states[i]) in seen else batch).append(i)
+                seen.add(id(states[i]))
+            texts = step_all([states[i].detokenizer for i in batch], [pairs[i][1].token_id for i in batch],
+                             self.tokenizer)
+            for i, text in zip(batch, texts):
+                deltas[i] = text
             todo = later
         return deltas
 
     @staticmethod
-    def _token(state: RequestText, event: TokenEvent, delta: str) -> TokenEvent:
+    def _token(state: RequestText, event: TokenEvent, delta: str) -> None:
         state.tokens += 1
         state.text += delta
         release, state.stopped = state.stops.scan(state.text, state.emitted, len(delta))
         if state.stopped:
             state.text = state.text[:release]
-        last = event.last or state.stopped
-        if last:
+        event.last = event.last or state.stopped
+        if event.last:
             release = len(state.text)             # nothing is held back once the text is final
-        text = state.text[state.emitted:release]
+        event.text = state.text[state.emitted:release]
         state.emitted = release
-        return TokenEvent(event.token_id, text, event.logprob, event.special, event.time, last)
 
     @staticmethod
     def _finish(state: RequestText, event: FinishEvent) -> FinishEvent:

@@ -23,10 +23,12 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenEvent:
     """One generated token. ``text`` is the newly printable text (may be empty while a
-    multi-byte character is incomplete, or while a stop sequence might still match)."""
+    multi-byte character is incomplete, or while a stop sequence might still match); the core
+    leaves it empty and the front end fills it in (``output.py``). Not frozen: one is made per
+    token, and a frozen dataclass costs five times as much to build."""
     token_id: int
     text: str
     logprob: float | None = None
