@@ -11,6 +11,7 @@ the whole batch (prefill included), as vLLM's offline throughput benchmark does.
 
 import argparse
 import copy
+import gc
 import json
 import logging
 import statistics
@@ -73,7 +74,7 @@ def run_hf(model, prompts, new_tokens: int, mode: str) -> float:
 def interleaved(runners: dict, repeats: int) -> dict:
     """Median seconds of each runner, taking turns so drifting machine load hits all alike. Each
     run starts from a collected, frozen heap, so the objects an earlier run left behind (a
-    compile's, say) do not slow the next one's garbage collections."""
+    compile's, say) do not slow its garbage collections; the heap is unfrozen after it."""
     samples = {name: [] for name in runners}
     for _ in range(repeats):
         for name, fn in runners.items():
@@ -82,6 +83,8 @@ def interleaved(runners: dict, repeats: int) -> dict:
                 samples[name].append(fn())
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
+            finally:
+                gc.unfreeze()
     return {name: statistics.median(v) for name, v in samples.items() if v}
 
 

@@ -45,19 +45,23 @@ def test_text_matches_a_whole_decode_and_the_finish_carries_it(tiny):
     assert len(processor) == 0
 
 
-def test_a_stop_string_cuts_the_text_asks_for_an_abort_and_drops_later_tokens(tiny):
+def test_a_stop_string_ends_the_request_at_once_and_asks_the_core_to_abort(tiny):
     tok = tiny.tokenizer
     ids = tok(" alpha beta gamma delta epsilon")["input_ids"]
     processor = OutputProcessor(tok)
-    processor.add("r", [1], SamplingParams(stop=("mma d",)))
+    processor.add("r", [1, 2, 3], SamplingParams(stop=("mma d",)))
     events, aborts = feed(processor, "r", ids)
-    streamed = "".join(e.text for _, e in events)
-    assert streamed == " alpha beta ga" and aborts == ["r"]
-    assert events[-1][1].last and not any(e.last for _, e in events[:-1])
-    through_stop = len(events)                      # tokens after the one completing the stop are dropped
-    assert through_stop < len(ids)
-    [(_, done)], _ = processor.process([("r", finish("abort", len(ids)))])
-    assert done.reason == "stop" and done.text == streamed and done.completion_tokens == through_stop
+    tokens = [e for _, e in events if isinstance(e, TokenEvent)]
+    done = events[-1][1]
+    assert isinstance(done, FinishEvent) and aborts == ["r"]
+    streamed = "".join(t.text for t in tokens)
+    assert streamed == done.text == " alpha beta ga"
+    assert tokens[-1].last and not any(t.last for t in tokens[:-1])
+    assert len(tokens) < len(ids)                   # tokens after the one completing the stop are dropped
+    assert done.reason == "stop" and done.completion_tokens == len(tokens) and done.prompt_tokens == 3
+    assert done.timings["ttft"] >= 0 and done.timings["total"] >= 0
+    assert processor.process([("r", finish("abort", len(ids)))]) == ([], [])   # the core's own finish
+    assert len(processor) == 0
 
 
 def test_text_that_may_begin_a_stop_is_held_back_until_the_last_token(tiny):
@@ -103,5 +107,40 @@ def test_a_stop_string_ends_the_request_in_the_engine_and_frees_its_blocks(tiny)
         stats = engine.stats()
         assert stats.running == stats.waiting == 0
         assert engine.core.blocks.num_free == engine.core.blocks.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_an_end_of_sequence_token_prints_nothing(tiny):
+    engine = Engine(tiny, EngineConfig(max_batch=2, num_blocks=16, block_size=16))
+    engine.core.eos_ids = set(range(len(tiny.tokenizer)))        # whatever comes first ends it
+    engine.start()
+    try:
+        (tokens, text, done), = run_all(engine, [([5, 6, 7], SamplingParams(max_new_tokens=8))])
+        assert done.reason == "eos" and len(tokens) == 1 and text == done.text == ""
+    finally:
+        engine.shutdown()
+
+
+def test_a_failure_making_text_fails_those_requests_and_the_engine_keeps_serving(tiny):
+    engine = Engine(tiny, EngineConfig(max_batch=2, num_blocks=16, block_size=16))
+    real = engine.output.process
+    calls = {"n": 0}
+
+    def flaky(pairs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected")
+        return real(pairs)
+
+    engine.output.process = flaky
+    engine.start()
+    try:
+        params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+        (_, _, failed), = run_all(engine, [([5, 6, 7], params)])
+        assert failed.reason == "error" and "injected" in failed.error
+        (tokens, _, ok), = run_all(engine, [([5, 6, 7], params)])
+        assert ok.reason == "length" and len(tokens) == 6
+        assert engine.core.blocks.num_free == engine.core.blocks.num_blocks and len(engine.output) == 0
     finally:
         engine.shutdown()

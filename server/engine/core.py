@@ -311,11 +311,12 @@ class EngineCore:
         if seq.first_token is None:
             seq.first_token = now
         reason = None
-        if token in self.eos_ids and not seq.params.ignore_eos:
+        eos = token in self.eos_ids
+        if eos and not seq.params.ignore_eos:
             reason = "eos"
         elif len(seq.output_ids) >= seq.params.max_new_tokens or seq.length >= self.max_model_len:
             reason = "length"
-        event = TokenEvent(token, "", logprob, token in self.special_ids, now, reason is not None)
+        event = TokenEvent(token, "", logprob, eos or token in self.special_ids, now, reason is not None)
         if reason is None:
             return ((seq, event),)
         return (seq, event), (seq, self._finish(seq, reason))

@@ -9,6 +9,7 @@ waiting for them.
 
 import asyncio
 import itertools
+import logging
 import queue
 import random
 import threading
@@ -20,6 +21,8 @@ from .core import EngineCore, EngineStats, ModelInfo
 from .errors import EngineDeadError, QueueFullError
 from .output import OutputProcessor
 from .params import FinishEvent, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class RequestStream:
@@ -118,6 +121,13 @@ class EngineFrontend:
         stream = RequestStream(self, request_id, len(prompt_ids), tokens)
         self._streams[request_id] = stream
         self.output.add(request_id, prompt_ids, params)
+        if self.error is not None:                # the core died meanwhile; its open streams may have been failed before this one
+            self._streams.pop(request_id, None)
+            self.output.discard(request_id)
+            stream.started = True                  # a failure fanned out to it later leaves the counts alone
+            self._queued_requests -= 1
+            self._queued_tokens -= tokens
+            raise EngineDeadError(self.error)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self._send(("add", (request_id, list(prompt_ids), params, seed)))
         return stream
@@ -128,7 +138,11 @@ class EngineFrontend:
     def _publish(self, pairs, stats: EngineStats) -> None:
         """From the core's thread (or the reader of its process): text for the events, then hand
         them to the loops."""
-        pairs, stopped = self.output.process(pairs)
+        try:
+            pairs, stopped = self.output.process(pairs)
+        except Exception as exc:                  # a bug or a tokenizer error: fail those requests, keep serving
+            log.exception("making the text of a step's tokens failed")
+            pairs, stopped = self._fail_text(pairs, f"{type(exc).__name__}: {exc}")
         for request_id in stopped:
             self.abort(request_id)
         by_loop: dict = {}
@@ -142,6 +156,17 @@ class EngineFrontend:
                 loop.call_soon_threadsafe(self._fan_out, batch)
             except RuntimeError:                  # that event loop is closed: nobody listens
                 pass
+
+    def _fail_text(self, pairs, message: str) -> tuple[list, list[str]]:
+        """Error finishes for the requests of ``pairs`` and their ids, for the core to abort."""
+        ids = list(dict.fromkeys(request_id for request_id, _ in pairs))
+        failed = []
+        for request_id in ids:
+            self.output.discard(request_id)
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                failed.append((request_id, FinishEvent("error", "", stream.prompt_tokens, 0, message)))
+        return failed, ids
 
     def _fan_out(self, batch) -> None:
         for stream, event in batch:

@@ -4,11 +4,12 @@ The core streams token ids and knows nothing of text. This runs on the front end
 the core (in each HTTP worker process, or in the thread that hands events to the server), so
 with several API workers the per-token text work is spread over their processes and kept off
 the core's step loop, as vLLM's output processor is. When a stop string shows up in the text,
-the request's last token event goes out at once and the core is asked to abort it; tokens the
-core produced meanwhile are dropped, and the finish event that follows reports the stop.
+the request's last token event and its finish event go out at once and the core is asked to
+abort it; whatever the core sends for it afterwards is dropped.
 """
 
 import dataclasses
+import time
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher, step_all
 from .params import FinishEvent, SamplingParams, TokenEvent
@@ -16,6 +17,9 @@ from .params import FinishEvent, SamplingParams, TokenEvent
 
 class RequestText:
     def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams):
+        self.prompt_tokens = len(prompt_ids)
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stops = StopMatcher(params.stop)
         self.text = ""                   # decoded output so far (cut at a stop string)
@@ -32,30 +36,31 @@ class OutputProcessor:
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self._requests[request_id] = RequestText(self.tokenizer, prompt_ids, params)
 
+    def discard(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
     def __len__(self) -> int:
         return len(self._requests)
 
     def process(self, pairs) -> tuple[list[tuple[str, object]], list[str]]:
         """Takes one step's ``(request_id, event)`` pairs from the core; returns the pairs with
-        their text filled in (events of unknown or already stopped requests dropped) and the ids
-        of requests a stop string ended, which the core should abort."""
+        their text filled in (events of requests unknown or already finished dropped) and the
+        ids of requests a stop string ended, which the core should abort."""
         states = [self._requests.get(request_id) for request_id, _ in pairs]
         deltas = self._detokenize(pairs, states)
         out, stopped = [], []
         for (request_id, event), state, delta in zip(pairs, states, deltas):
-            if state is None:
+            if state is None or state.stopped:
                 continue
             if type(event) is TokenEvent:
-                if state.stopped:
-                    continue
                 self._token(state, event, delta)
+                out.append((request_id, event))
                 if state.stopped:
+                    del self._requests[request_id]
+                    out.append((request_id, self._stop_finish(state)))
                     stopped.append(request_id)
-            elif self._requests.pop(request_id, None) is None:
-                continue
-            else:
-                event = self._finish(state, event)
-            out.append((request_id, event))
+            elif self._requests.pop(request_id, None) is not None:
+                out.append((request_id, dataclasses.replace(event, text=state.text)))
         return out, stopped
 
     def _detokenize(self, pairs, states) -> list[str]:
@@ -80,6 +85,8 @@ class OutputProcessor:
     @staticmethod
     def _token(state: RequestText, event: TokenEvent, delta: str) -> None:
         state.tokens += 1
+        if state.first_token is None:
+            state.first_token = event.time
         state.text += delta
         release, state.stopped = state.stops.scan(state.text, state.emitted, len(delta))
         if state.stopped:
@@ -91,7 +98,8 @@ class OutputProcessor:
         state.emitted = release
 
     @staticmethod
-    def _finish(state: RequestText, event: FinishEvent) -> FinishEvent:
-        if state.stopped and event.reason != "error":
-            return dataclasses.replace(event, reason="stop", text=state.text, completion_tokens=state.tokens)
-        return dataclasses.replace(event, text=state.text)
+    def _stop_finish(state: RequestText) -> FinishEvent:
+        """The queueing time is the core's to know; this finish leaves it out."""
+        now = time.monotonic()
+        timings = {"queue": None, "ttft": max(0.0, state.first_token - state.arrival), "total": now - state.arrival}
+        return FinishEvent("stop", state.text, state.prompt_tokens, state.tokens, None, timings)
