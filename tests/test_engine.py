@@ -304,3 +304,15 @@ def test_warm_up_fits_a_small_pool_and_leaves_it_empty(tiny):
     core = EngineCore(tiny, EngineConfig(max_batch=4, num_blocks=3, block_size=16), publish=lambda p, s: None)
     core._warm_up()                        # runs on GPUs only at start-up; here it must just finish
     assert not core.busy() and core.blocks.num_free == core.blocks.num_blocks
+
+
+def test_the_throughput_log_line_splits_decode_and_prefill_time():
+    from server.engine.core import StepStats
+    stats = StepStats()
+    stats.decode_steps, stats.prefill_steps, stats.generated, stats.prompt_tokens = 100, 4, 6400, 512
+    stats.add_time(False, 0.12)
+    stats.add_time(True, 0.02)
+    stats.device_wait_s = 0.0104
+    line = stats.line(stats.since + 2.0, running=64, waiting=2, kv_used=0.5)
+    assert line == ("prompt 256 tok/s, generation 3200 tok/s; 50 decode steps/s at 1.20 ms + 2.0 prefill steps/s "
+                    "at 5.00 ms, waiting for the device 0.10 ms per step; running 64, waiting 2, KV cache 50.0% used")

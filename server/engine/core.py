@@ -41,16 +41,26 @@ class StepStats:
     def reset(self, now: float) -> None:
         self.since = now
         self.decode_steps = self.prefill_steps = self.prompt_tokens = self.generated = 0
-        self.busy_s = self.device_wait_s = 0.0
+        self.decode_s = self.prefill_s = self.device_wait_s = 0.0
+
+    def add_time(self, prefill: bool, seconds: float) -> None:
+        """A step's wall time, its events' hand-off included."""
+        if prefill:
+            self.prefill_s += seconds
+        else:
+            self.decode_s += seconds
 
     def line(self, now: float, running: int, waiting: int, kv_used: float) -> str:
         span = max(now - self.since, 1e-9)
         steps = self.decode_steps + self.prefill_steps
         return (f"prompt {self.prompt_tokens / span:.0f} tok/s, generation {self.generated / span:.0f} tok/s; "
-                f"{self.decode_steps / span:.0f} decode + {self.prefill_steps / span:.1f} prefill steps/s, "
-                f"{1e3 * self.busy_s / max(steps, 1):.2f} ms per step ({1e3 * self.device_wait_s / max(steps, 1):.2f} "
-                f"waiting for the device); running {running}, waiting {waiting}, "
+                f"{self.decode_steps / span:.0f} decode steps/s at {1e3 * self.decode_s / max(self.decode_steps, 1):.2f} ms"
+                f" + {self.prefill_steps / span:.1f} prefill steps/s at "
+                f"{1e3 * self.prefill_s / max(self.prefill_steps, 1):.2f} ms, waiting for the device "
+                f"{1e3 * self.device_wait_s / max(steps, 1):.2f} ms per step; running {running}, waiting {waiting}, "
                 f"KV cache {100 * kv_used:.1f}% used")
+
+
 MAX_FAILED_STEPS = 3
 
 
@@ -175,9 +185,10 @@ class EngineCore:
                 continue
             try:
                 started = time.monotonic()
+                prefills = stats.prefill_steps
                 self._publish(self.step())
                 now = time.monotonic()
-                stats.busy_s += now - started
+                stats.add_time(stats.prefill_steps > prefills, now - started)
                 failures = 0
                 if not self.busy():
                     self.publish([], self.stats())   # front ends see the engine idle
