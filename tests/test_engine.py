@@ -316,3 +316,39 @@ def test_the_throughput_log_line_splits_decode_and_prefill_time():
     line = stats.line(stats.since + 2.0, running=64, waiting=2, kv_used=0.5)
     assert line == ("prompt 256 tok/s, generation 3200 tok/s; 50 decode steps/s at 1.20 ms + 2.0 prefill steps/s "
                     "at 5.00 ms, waiting for the device 0.10 ms per step; running 64, waiting 2, KV cache 50.0% used")
+
+
+def test_decode_metadata_rows_and_padding(tiny):
+    from server.engine.model_runner import ModelRunner
+    from server.engine.sequence import Sequence
+    runner = ModelRunner(tiny, EngineConfig(max_batch=8, num_blocks=64, block_size=4), max_model_len=64)
+    rng = random.Random(7)
+    runner.sampled[:] = torch.arange(100, 108, dtype=torch.int32)
+    seqs, sources = [], []
+    for i in range(5):
+        seq = Sequence(f"s{i}", [rng.randrange(3, 900) for _ in range(rng.randint(1, 20))], SamplingParams(), 0)
+        for _ in range(rng.randint(0, 6)):
+            seq.append(rng.randrange(3, 900))
+        seq.pending = rng.randint(0, 1)
+        seq.block_table = rng.sample(range(64), -(-seq.total_len // 4))
+        seqs.append(seq)
+        sources.append(rng.choice([-1, i + 2]))
+    full = [Sequence(f"f{i}", list(range(3, 40)), SamplingParams(), 0) for i in range(8)]
+    for seq in full:
+        seq.block_table = list(range(50, 60))
+    for _ in range(2):                                 # both host buffers hold stale rows now
+        runner._load_decode_metadata(full, [-1] * 8, 8)
+    rows = 8                                           # a bucket larger than the batch: 3 padding rows
+    runner._load_decode_metadata(seqs, sources, rows)
+    width = max(len(s.block_table) for s in seqs)
+    for i in range(rows):
+        if i < len(seqs):
+            s, p = seqs[i], seqs[i].total_len - 1
+            token = 100 + sources[i] if sources[i] >= 0 else (s.output_ids or s.prompt_ids)[-1]
+            table = s.block_table + [0] * (width - len(s.block_table))
+            expected = (token, p, s.block_table[p // 4] * 4 + p % 4, p + 1, table)
+        else:
+            expected = (0, 0, -1, 1, [0] * width)     # padding: writes nothing, attends to one slot
+        got = (runner.input_ids[i, 0].item(), runner.positions[i, 0].item(), runner.slots[i].item(),
+               runner.seq_lens[i].item(), runner.block_tables[i, :width].tolist())
+        assert got == expected, (i, got, expected)

@@ -7,6 +7,7 @@ every static buffer are allocated once here.
 """
 
 import functools
+import itertools
 import logging
 import time
 
@@ -144,16 +145,19 @@ class ModelRunner:
         ids, src, pos = h[0:rows], h[n:n + rows], h[2 * n:2 * n + rows]
         slots, lens = h[3 * n:3 * n + rows], h[4 * n:4 * n + rows]
         table = h[5 * n:5 * n + rows * width].reshape(rows, width)
-        ids[:], src[:], pos[:], slots[:], lens[:], table[:] = 0, -1, 0, -1, 1, 0
-        for i, s in enumerate(seqs):
-            p = s.total_len - 1
-            if sources[i] < 0:
-                ids[i] = s.output_ids[-1] if s.output_ids else s.prompt_ids[-1]
-            src[i] = sources[i]
-            pos[i] = p
-            slots[i] = s.block_table[p // bs] * bs + p % bs
-            lens[i] = p + 1
-            table[i, :len(s.block_table)] = s.block_table
+        ids[:], src[:], pos[:], slots[:], lens[:] = 0, -1, 0, -1, 1
+        b = len(seqs)
+        # whole columns from Python lists, the ragged block tables as one flat padded sequence
+        pos[:b] = [s.total_len - 1 for s in seqs]
+        lens[:b] = pos[:b] + 1
+        src[:b] = sources
+        ids[:b] = [(s.output_ids[-1] if s.output_ids else s.prompt_ids[-1]) if k < 0 else 0
+                   for s, k in zip(seqs, sources)]
+        pad = [0] * width
+        padded = itertools.chain.from_iterable(s.block_table + pad[len(s.block_table):] for s in seqs)
+        table[:b] = np.fromiter(padded, dtype=np.int32, count=b * width).reshape(b, width)
+        table[b:] = 0
+        slots[:b] = table[np.arange(b), pos[:b] // bs] * bs + pos[:b] % bs
         count = 5 * n + rows * width
         self._packed[:count].copy_(host[:count], non_blocking=True)
         if self._copied is not None:
