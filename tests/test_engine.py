@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models import load_model
-from server.engine import Engine, EngineConfig, SamplingParams
+from server.engine import Engine, EngineConfig, FinishEvent, SamplingParams
 from server.engine.block_manager import BlockManager
 from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from server.engine.sampler import SamplingRows, hashed_uniforms, sample
@@ -310,8 +310,9 @@ def test_the_throughput_log_line_splits_decode_and_prefill_time():
     from server.engine.core import StepStats
     stats = StepStats()
     stats.decode_steps, stats.prefill_steps, stats.generated, stats.prompt_tokens = 100, 4, 6400, 512
-    stats.add_time(False, 0.12)
-    stats.add_time(True, 0.02)
+    stats.add_time((99, 4), 0.12)
+    stats.add_time((100, 3), 0.02)
+    stats.add_time((100, 4), 5.0)                    # read back only: neither kind
     stats.device_wait_s = 0.0104
     line = stats.line(stats.since + 2.0, running=64, waiting=2, kv_used=0.5)
     assert line == ("prompt 256 tok/s, generation 3200 tok/s; 50 decode steps/s at 1.20 ms + 2.0 prefill steps/s "
@@ -352,3 +353,44 @@ def test_decode_metadata_rows_and_padding(tiny):
         got = (runner.input_ids[i, 0].item(), runner.positions[i, 0].item(), runner.slots[i].item(),
                runner.seq_lens[i].item(), runner.block_tables[i, :width].tolist())
         assert got == expected, (i, got, expected)
+
+
+def test_a_request_sent_as_the_core_thread_dies_still_gets_an_error(tiny):
+    import asyncio
+    import threading
+    engine = Engine(tiny, EngineConfig(max_batch=4, num_blocks=32, block_size=16))
+
+    def broken_step():
+        raise RuntimeError("device broke")
+
+    engine.core.step = broken_step
+    real_fail_all = engine.core.fail_all
+    failures = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        late = {}
+
+        def fail_all(message):                 # the third failure in a row ends the core
+            failures.append(message)
+            if len(failures) == 3:              # a request lands after the core's last look at its inbox
+                added = threading.Event()
+
+                def add():
+                    late["stream"] = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=3))
+                    added.set()
+                loop.call_soon_threadsafe(add)
+                added.wait(5)
+            real_fail_all(message)
+
+        engine.core.fail_all = fail_all
+        engine.start()
+        for _ in range(3):
+            events = [e async for e in engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=3))]
+            assert events[-1].reason == "error"
+        last = await asyncio.wait_for(late["stream"].__anext__(), 5)
+        return last, engine._queued_requests
+
+    last, queued = asyncio.run(main())
+    assert isinstance(last, FinishEvent) and last.reason == "error" and queued == 0
+    assert engine.error is not None

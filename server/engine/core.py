@@ -43,11 +43,12 @@ class StepStats:
         self.decode_steps = self.prefill_steps = self.prompt_tokens = self.generated = 0
         self.decode_s = self.prefill_s = self.device_wait_s = 0.0
 
-    def add_time(self, prefill: bool, seconds: float) -> None:
-        """A step's wall time, its events' hand-off included."""
-        if prefill:
+    def add_time(self, counts_before: tuple[int, int], seconds: float) -> None:
+        """A step's wall time, its events' hand-off included, given the (decode, prefill) step
+        counts from before it; a call that only read back the last tokens counts for neither."""
+        if self.prefill_steps > counts_before[1]:
             self.prefill_s += seconds
-        else:
+        elif self.decode_steps > counts_before[0]:
             self.decode_s += seconds
 
     def line(self, now: float, running: int, waiting: int, kv_used: float) -> str:
@@ -185,10 +186,10 @@ class EngineCore:
                 continue
             try:
                 started = time.monotonic()
-                prefills = stats.prefill_steps
+                counts = stats.decode_steps, stats.prefill_steps
                 self._publish(self.step())
                 now = time.monotonic()
-                stats.add_time(stats.prefill_steps > prefills, now - started)
+                stats.add_time(counts, now - started)
                 failures = 0
                 if not self.busy():
                     self.publish([], self.stats())   # front ends see the engine idle

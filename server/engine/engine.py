@@ -107,7 +107,7 @@ class EngineFrontend:
             raise EngineDeadError("the engine is not ready")
         self.validate(len(prompt_ids), params)
         request_id = self.id_prefix + (request_id or f"req-{next(self._ids)}")
-        if request_id in self._streams:
+        if request_id in self._streams or request_id in self.output:
             raise ValueError(f"request id {request_id!r} is already in flight")
         tokens = len(prompt_ids) + params.max_new_tokens
         if self._queued_requests >= self.config.max_waiting_requests:
@@ -205,6 +205,7 @@ class Engine(EngineFrontend):
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             self.ready = False
+            self._fail_streams(self.error)
 
     def shutdown(self) -> None:
         self._inbox.put(("stop", None))

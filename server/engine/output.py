@@ -5,7 +5,8 @@ the core (in each HTTP worker process, or in the thread that hands events to the
 with several API workers the per-token text work is spread over their processes and kept off
 the core's step loop, as vLLM's output processor is. When a stop string shows up in the text,
 the request's last token event and its finish event go out at once and the core is asked to
-abort it; whatever the core sends for it afterwards is dropped.
+abort it; what the core sends for it afterwards is dropped, up to the core's own finish event,
+which ends the request here too (until then its id counts as in flight).
 """
 
 import dataclasses
@@ -42,6 +43,9 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._requests)
 
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
     def process(self, pairs) -> tuple[list[tuple[str, object]], list[str]]:
         """Takes one step's ``(request_id, event)`` pairs from the core; returns the pairs with
         their text filled in (events of requests unknown or already finished dropped) and the
@@ -50,17 +54,19 @@ class OutputProcessor:
         deltas = self._detokenize(pairs, states)
         out, stopped = [], []
         for (request_id, event), state, delta in zip(pairs, states, deltas):
-            if state is None or state.stopped:
+            if state is None or request_id not in self._requests:
                 continue
             if type(event) is TokenEvent:
-                self._token(state, event, delta)
-                out.append((request_id, event))
-                if state.stopped:
-                    del self._requests[request_id]
-                    out.append((request_id, self._stop_finish(state)))
-                    stopped.append(request_id)
-            elif self._requests.pop(request_id, None) is not None:
-                out.append((request_id, dataclasses.replace(event, text=state.text)))
+                if not state.stopped:
+                    self._token(state, event, delta)
+                    out.append((request_id, event))
+                    if state.stopped:
+                        out.append((request_id, self._stop_finish(state)))
+                        stopped.append(request_id)
+            else:
+                del self._requests[request_id]
+                if not state.stopped:
+                    out.append((request_id, dataclasses.replace(event, text=state.text)))
         return out, stopped
 
     def _detokenize(self, pairs, states) -> list[str]:
