@@ -4,6 +4,7 @@
 #   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench] [compile]
 #       [http]
 #
+# API_WORKERS="1 4" runs the HTTP load test once per API worker count (default 1).
 # With no stage named, all run. On a host without the web stack, wheels in .whl/ are installed
 # first (see the README's GPU section).
 set -uo pipefail
@@ -57,13 +58,15 @@ if want compile; then
       | tee "$OUT/engine_compile.log" | grep -E 'captured|ready|^\|' | tail -12
 fi
 if want http; then
-  stamp "HTTP load test"
   engine_json=${ENGINE_JSON:-$OUT/engine_bench.json}
-  timeout 300 python3 -m load_tests.loadgen \
-      --serve "--model random:smollm2-135m --device cuda --prefill-delay-steps ${PREFILL_DELAY_STEPS:-8}${API_WORKERS:+ --api-workers $API_WORKERS}" \
-      --concurrency 1,16,64,256 --input-len 128 --output-len 256 --no-progress --workers 4 \
-      --engine-json "$engine_json" --out-dir "$OUT/http" 2>&1 | tee "$OUT/http.log" | tail -30
-  grep -E "tok/s|ready|captured" "$OUT/http/server.log" | tail -40
+  for workers in ${API_WORKERS:-1}; do               # e.g. API_WORKERS="1 4": one load test per count
+    stamp "HTTP load test, $workers API worker(s)"
+    timeout 300 python3 -m load_tests.loadgen \
+        --serve "--model random:smollm2-135m --device cuda --prefill-delay-steps ${PREFILL_DELAY_STEPS:-8} --api-workers $workers" \
+        --concurrency 1,16,64,256 --input-len 128 --output-len 256 --no-progress --workers 4 \
+        --engine-json "$engine_json" --out-dir "$OUT/http_w$workers" 2>&1 | tee "$OUT/http_w$workers.log" | tail -30
+    grep -E "tok/s|ready|captured" "$OUT/http_w$workers/server.log" | tail -40
+  done
 fi
 stamp "done"
 printf '%s\n' "${summary[@]}"
