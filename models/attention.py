@@ -22,6 +22,11 @@ import kernels
 NAME = "paged_split_kv"   # transformers treats any name containing "flash" as FlashAttention
 
 
+def head_dim_of(config) -> int:
+    """A transformers config's attention head size."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 @dataclass
 class AttentionBatch:
     """Everything attention needs for one forward pass over the paged cache.

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import layer_ops
 
-from .attention import AttentionBatch, prefill_attention
+from .attention import AttentionBatch, head_dim_of, prefill_attention
 
 
 def unsupported_reason(model) -> str | None:
@@ -65,7 +65,7 @@ class FusedLlama:
         core = model.model
         self.num_q_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim_of(cfg)
         self.scale = core.layers[0].self_attn.scaling
         self.eps = cfg.rms_norm_eps
         device = core.embed_tokens.weight.device

@@ -28,3 +28,38 @@ def run_all(engine: Engine, requests):
     async def main():
         return await asyncio.gather(*(collect(engine, *r) for r in requests))
     return asyncio.run(main())
+
+
+def tokens_under(loaded, configs, requests) -> list[list[list[int]]]:
+    """For each engine config in turn, the generated tokens of ``requests`` (as ``run_all``)."""
+    results = []
+    for config in configs:
+        engine = Engine(loaded, config)
+        engine.start()
+        try:
+            results.append([tokens for tokens, _, _ in run_all(engine, requests)])
+        finally:
+            engine.shutdown()
+    return results
+
+
+def failing_on_second_call(fn):
+    """``fn``, raising RuntimeError("injected") on its second call instead."""
+    calls = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected")
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+def check_one_request_fails_then_the_engine_serves(engine) -> None:
+    """With a failure injected into the engine's second step: that request ends in an error
+    naming it, and the next request runs to its length."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    (_, _, failed), = run_all(engine, [([5, 6, 7], params)])
+    assert failed.reason == "error" and "injected" in failed.error
+    (tokens, _, ok), = run_all(engine, [([5, 6, 7], params)])
+    assert ok.reason == "length" and len(tokens) == 6

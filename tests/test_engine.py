@@ -11,7 +11,8 @@ from server.engine.block_manager import BlockManager
 from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from server.engine.sampler import SamplingRows, hashed_uniforms, sample
 
-from .helpers import run_all
+from .helpers import (check_one_request_fails_then_the_engine_serves, failing_on_second_call, run_all,
+                      tokens_under)
 
 
 @pytest.fixture(scope="module")
@@ -186,23 +187,10 @@ def test_repetition_penalty_and_every_option_through_the_engine(tiny):
 
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny):
     engine = Engine(tiny, EngineConfig(max_batch=4, num_blocks=32, block_size=16))
-    real_decode = engine.core.runner.decode
-    calls = {"n": 0}
-
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected")
-        return real_decode(*args, **kwargs)
-
-    engine.core.runner.decode = flaky
+    engine.core.runner.decode = failing_on_second_call(engine.core.runner.decode)
     engine.start()
     try:
-        params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-        (_, _, failed), = run_all(engine, [([5, 6, 7], params)])
-        assert failed.reason == "error" and "injected" in failed.error
-        (tokens, _, ok), = run_all(engine, [([5, 6, 7], params)])
-        assert ok.reason == "length" and len(tokens) == 6
+        check_one_request_fails_then_the_engine_serves(engine)
         assert engine.error is None and engine.core.blocks.num_free == engine.core.blocks.num_blocks
     finally:
         engine.shutdown()
@@ -235,14 +223,9 @@ def test_padded_single_prompt_prefill_matches_the_packed_one(tiny):
 def test_engine_with_prefill_buckets_gives_the_same_tokens(tiny):
     prompts = [[9 + (i * 7 + j) % 4000 for j in range(n)] for i, n in enumerate([3, 30, 64])]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    results = []
-    for buckets in ((16, 64), ()):
-        engine = Engine(tiny, EngineConfig(max_batch=4, num_blocks=64, block_size=16, prefill_graph_buckets=buckets))
-        engine.start()
-        try:
-            results.append([t for t, _, _ in run_all(engine, [(p, params) for p in prompts])])
-        finally:
-            engine.shutdown()
+    configs = [EngineConfig(max_batch=4, num_blocks=64, block_size=16, prefill_graph_buckets=buckets)
+               for buckets in ((16, 64), ())]
+    results = tokens_under(tiny, configs, [(p, params) for p in prompts])
     assert results[0] == results[1]
 
 

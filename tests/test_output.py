@@ -8,7 +8,7 @@ from models import load_model
 from server.engine import Engine, EngineConfig, FinishEvent, SamplingParams, TokenEvent
 from server.engine.output import OutputProcessor
 
-from .helpers import run_all
+from .helpers import check_one_request_fails_then_the_engine_serves, failing_on_second_call, run_all
 
 
 @pytest.fixture(scope="module")
@@ -131,23 +131,10 @@ def test_an_end_of_sequence_token_prints_nothing(tiny):
 
 def test_a_failure_making_text_fails_those_requests_and_the_engine_keeps_serving(tiny):
     engine = Engine(tiny, EngineConfig(max_batch=2, num_blocks=16, block_size=16))
-    real = engine.output.process
-    calls = {"n": 0}
-
-    def flaky(pairs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected")
-        return real(pairs)
-
-    engine.output.process = flaky
+    engine.output.process = failing_on_second_call(engine.output.process)
     engine.start()
     try:
-        params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-        (_, _, failed), = run_all(engine, [([5, 6, 7], params)])
-        assert failed.reason == "error" and "injected" in failed.error
-        (tokens, _, ok), = run_all(engine, [([5, 6, 7], params)])
-        assert ok.reason == "length" and len(tokens) == 6
+        check_one_request_fails_then_the_engine_serves(engine)
         assert engine.core.blocks.num_free == engine.core.blocks.num_blocks and len(engine.output) == 0
     finally:
         engine.shutdown()

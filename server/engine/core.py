@@ -219,23 +219,23 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
             if seq.request_id == request_id:
-                self._publish([(seq, self._finish(seq, "abort"))])
+                self._publish([(request_id, self._finish(seq, "abort"))])
                 return
 
     def _publish(self, events) -> None:
         if events:
-            self.publish([(seq.request_id, ev) for seq, ev in events], self.stats())
+            self.publish(events, self.stats())
 
     def _mark_scheduled(self, seq: Sequence) -> None:
         if seq.first_scheduled is None:
             seq.first_scheduled = time.monotonic()
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[Sequence, object]]:
-        """One model step; returns the (sequence, event) pairs that became known.
+    def step(self) -> list[tuple[str, object]]:
+        """One model step; returns the (request id, event) pairs that became known.
 
         A decode step is launched before the previous decode's tokens are read back, so the
-        host's bookkeeping (detokenizing, stop strings, events) overlaps the GPU's next step;
+        host's bookkeeping (finish checks, events) overlaps the GPU's next step;
         the next step reads its input tokens from the device. Prefills, and batches that need
         every earlier token on the host, first wait for the step in flight."""
         events = []
@@ -305,7 +305,7 @@ class EngineCore:
             want_logprobs=any(s.params.logprobs for s in seqs),
         )
 
-    def _emit(self, seqs, token_ids, token_logprobs) -> list[tuple[Sequence, object]]:
+    def _emit(self, seqs, token_ids, token_logprobs) -> list[tuple[str, object]]:
         """Apply read-back tokens; sequences that ended meanwhile (an abort, say) drop theirs.
         Events carry token ids only: the front end turns them into text (``output.py``)."""
         for seq in seqs:
@@ -330,8 +330,8 @@ class EngineCore:
             reason = "length"
         event = TokenEvent(token, "", logprob, eos or token in self.special_ids, now, reason is not None)
         if reason is None:
-            return ((seq, event),)
-        return (seq, event), (seq, self._finish(seq, reason))
+            return ((seq.request_id, event),)
+        return (seq.request_id, event), (seq.request_id, self._finish(seq, reason))
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> FinishEvent:
         self._mark_scheduled(seq)
@@ -349,7 +349,7 @@ class EngineCore:
         events = []
         for seq in seqs:
             try:
-                events.append((seq, self._finish(seq, "error", message)))
+                events.append((seq.request_id, self._finish(seq, "error", message)))
             except Exception:
                 log.exception("could not release %s", seq.request_id)
         self._publish(events)

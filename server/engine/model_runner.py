@@ -15,17 +15,13 @@ import numpy as np
 import torch
 
 import kernels
-from models import AttentionBatch, FusedLlama, LoadedModel, forward_logits, fused_unsupported_reason
+from models import AttentionBatch, FusedLlama, LoadedModel, forward_logits, fused_unsupported_reason, head_dim_of
 
 from .config import EngineConfig
 from .graphs import capture_graphs
 from .prefill_graphs import PrefillGraphs
 
 log = logging.getLogger(__name__)
-
-
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:

@@ -64,9 +64,11 @@ class PrefillGraphs:
         log.info("captured prefill graphs for up to %d prompts of %s tokens in all in %.1f s",
                  self.max_seqs, self.buckets, self.capture_seconds)
 
+    def _padded_starts(self, starts: list[int]) -> list[int]:
+        return starts + [starts[-1]] * (self.max_seqs + 2 - len(starts))
+
     def _load_starts(self, starts: list[int]) -> None:
-        padded = starts + [starts[-1]] * (self.max_seqs + 2 - len(starts))
-        self.starts.copy_(torch.tensor(padded, dtype=torch.int32))
+        self.starts.copy_(torch.tensor(self._padded_starts(starts), dtype=torch.int32))
 
     @torch.inference_mode()
     def run(self, chunks, slots: list[int], length: int) -> torch.Tensor:
@@ -80,15 +82,17 @@ class PrefillGraphs:
         if pad:
             starts.append(length)                          # the padding rows: a sequence of their own
         last = [s - 1 for s in starts[1:len(chunks) + 1]]
-        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int32)
+        # ids | positions | slots | starts: one copy
+        host = torch.tensor(ids + [0] * pad + positions + [0] * pad + slots + [-1] * pad + self._padded_starts(starts),
+                            dtype=torch.int32)
         rows = torch.tensor(last + [0] * (self.max_seqs - len(last)), dtype=torch.int64)
         if self.device.type == "cuda":
             host, rows = host.pin_memory(), rows.pin_memory()
         values = host.to(self.device, non_blocking=True)
-        self.ids[0, :length].copy_(values[0])
-        self.positions[0, :length].copy_(values[1])
-        self.slots[:length].copy_(values[2])
-        self._load_starts(starts)
+        self.ids[0, :length].copy_(values[:length])
+        self.positions[0, :length].copy_(values[length:2 * length])
+        self.slots[:length].copy_(values[2 * length:3 * length])
+        self.starts.copy_(values[3 * length:])
         self.last_rows.copy_(rows, non_blocking=True)
         if length in self.graphs:
             graph, logits = self.graphs[length]

@@ -12,7 +12,7 @@ from server.engine.block_manager import BlockManager
 from server.engine.model_runner import ModelRunner
 from server.engine.sequence import Sequence
 
-from ..helpers import run_all
+from ..helpers import run_all, tokens_under
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -70,14 +70,9 @@ def test_graph_replay_gives_the_eager_tokens():
     rng = random.Random()
     prompts = [[rng.randrange(10, 40000) for _ in range(rng.randint(5, 200))] for _ in range(4)]
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    results = []
-    for graphs in (True, False):
-        engine = Engine(loaded, EngineConfig(max_batch=4, num_blocks=512, cuda_graphs=graphs, graph_buckets=(1, 2, 4)))
-        engine.start()
-        try:
-            results.append([tokens for tokens, _, _ in run_all(engine, [(p, params) for p in prompts])])
-        finally:
-            engine.shutdown()
+    configs = [EngineConfig(max_batch=4, num_blocks=512, cuda_graphs=graphs, graph_buckets=(1, 2, 4))
+               for graphs in (True, False)]
+    results = tokens_under(loaded, configs, [(p, params) for p in prompts])
     assert results[0] == results[1]
 
 
