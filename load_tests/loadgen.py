@@ -356,7 +356,6 @@ class LaunchedServer:
         raise TimeoutError(f"the server was not healthy within {self.timeout:.0f} s:\n{self._tail()}")
 
     def _tail(self, n: int = 3000) -> str:
-        self._log.flush()
         return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
 
     def _stop(self) -> None:

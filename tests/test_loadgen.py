@@ -483,3 +483,10 @@ def test_serve_reports_a_server_that_cannot_load_its_model(tmp_path):
                        "--no-progress", "--out-dir", str(tmp_path), "--serve-timeout", "120"])
     assert rc == 1 and not (tmp_path / "results.json").exists()
     assert time.monotonic() - started < 60          # told by /health, not by the time-out
+
+
+def test_serve_reports_a_server_that_exits_at_once(tmp_path, caplog):
+    rc = loadgen.main(["--serve", "--api-workers not-a-number", "--concurrency", "1",
+                       "--no-progress", "--out-dir", str(tmp_path), "--serve-timeout", "60"])
+    assert rc == 1
+    assert "the server exited with code" in caplog.text and "not-a-number" in caplog.text

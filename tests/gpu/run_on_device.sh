@@ -4,7 +4,8 @@
 #   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench] [compile]
 #       [http]
 #
-# API_WORKERS="1 4" runs the HTTP load test once per API worker count (default 1).
+# HTTP_WORKER_COUNTS="1 4" runs the HTTP load test once per API worker count (default 1).
+# (Not API_WORKERS: the server reads that one itself.)
 # With no stage named, all run. On a host without the web stack, wheels in .whl/ are installed
 # first (see the README's GPU section).
 set -uo pipefail
@@ -59,7 +60,7 @@ if want compile; then
 fi
 if want http; then
   engine_json=${ENGINE_JSON:-$OUT/engine_bench.json}
-  for workers in ${API_WORKERS:-1}; do               # e.g. API_WORKERS="1 4": one load test per count
+  for workers in ${HTTP_WORKER_COUNTS:-1}; do
     stamp "HTTP load test, $workers API worker(s)"
     timeout 300 python3 -m load_tests.loadgen \
         --serve "--model random:smollm2-135m --device cuda --prefill-delay-steps ${PREFILL_DELAY_STEPS:-8} --api-workers $workers" \
