@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default=_env("host", d.host), help="bind address (default %(default)s)")
-    p.add_argument("--port", type=int, default=int(_env("port", d.port)), help="(default %(default)s)")
+    p.add_argument("--port", type=int, default=_env("port", str(d.port)), help="(default %(default)s)")
     p.add_argument("--model", default=_env("model", d.model),
                    help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder, a .gguf "
                         "file or random:<preset>")
@@ -49,12 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=_env("device", "auto"), help="auto, cpu, cuda or cuda:N")
     p.add_argument("--api-key", default=_env("api_key"),
                    help="require 'Authorization: Bearer <key>' on everything but /health")
-    p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", d.max_body_bytes)),
+    p.add_argument("--max-body-bytes", type=int, default=_env("max_body_bytes", str(d.max_body_bytes)),
                    help="larger request bodies answer 413 (default %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=_env("max_prompt_tokens"),
                    help="longest prompt accepted (default: the context length less one)")
     p.add_argument("--default-max-new-tokens", type=int,
-                   default=int(_env("default_max_new_tokens", d.default_max_new_tokens)),
+                   default=_env("default_max_new_tokens", str(d.default_max_new_tokens)),
                    help="tokens generated when a TGI or chat request names no limit "
                         "(/v1/completions: OpenAI's 16, or this if lower)")
     p.add_argument("--log-prompts", action="store_true", default=_env("log_prompts") == "1",
@@ -64,8 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine = p.add_argument_group("engine sizing")
     for name, (kind, help_text) in ENGINE_FLAGS.items():
         flag = "--" + name.replace("_", "-")
-        value = _env(name)
-        engine.add_argument(flag, type=kind, default=kind(value) if value else None, help=help_text)
+        engine.add_argument(flag, type=kind, default=_env(name) or None, help=help_text)
     engine.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
     engine.add_argument("--prefill-graph-buckets", default=_env("prefill_graph_buckets"),
                         type=lambda v: () if v in ("", "off") else tuple(int(x) for x in v.split(",") if x),
@@ -73,15 +72,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "a CUDA graph ('off': always eager; default 128,256,...,4096 on a GPU)")
     engine.add_argument("--compile", action="store_true", default=_env("compile") == "1",
                         help="torch.compile the decode step before capturing its graphs")
-    engine.add_argument("--api-workers", type=int, default=int(_env("api_workers", 1)),
-                        help="HTTP worker processes in front of the one engine process (default %(default)s); "
-                             "queue limits apply per worker")
+    engine.add_argument("--api-workers", type=api_workers_arg, default=_env("api_workers", "auto"),
+                        help="HTTP worker processes in front of the one engine process; queue limits apply "
+                             "per worker (default auto: on a GPU one per 4 CPU cores, at most 4; on the CPU 1)")
     engine.add_argument("--engine-thread", action="store_true", default=_env("engine_thread") == "1",
                         help="run the engine in a thread of the server process instead of a process of its own")
-    args = p.parse_args(argv)
-    if args.max_prompt_tokens is not None:
-        args.max_prompt_tokens = int(args.max_prompt_tokens)
-    return args
+    return p.parse_args(argv)
+
+
+def api_workers_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        workers = int(value)
+    except ValueError:
+        workers = 0
+    if workers < 1:
+        raise argparse.ArgumentTypeError(f"'auto' or a whole number of at least 1, not {value!r}")
+    return workers
+
+
+def resolve_api_workers(workers: int | str, device: str, engine_thread: bool) -> int:
+    """'auto': several HTTP workers where one engine on a GPU makes tokens faster than one event
+    loop can stream them (see the README's HTTP table), one on the CPU or with the engine in a thread."""
+    if workers != "auto":
+        return workers
+    if engine_thread or not device.startswith("cuda"):
+        return 1
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def resolve_device(device: str) -> str:
@@ -190,6 +208,9 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
                for channel in channels]
     for worker in workers:
         worker.start()
+    for channel in channels:
+        channel.outbox.close()                     # each worker holds its pipe's only reading end now
+    log.info("engine process %d, API worker processes %s", core.pid, [w.pid for w in workers])
     signal.signal(signal.SIGTERM, _interrupt)           # docker stop: shut down as on Ctrl-C
     core_died = False
     try:
@@ -199,9 +220,7 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        if core_died:                              # open streams end with an error event
-            for channel in channels:
-                channel.outbox.put(("fatal", f"the engine process exited with code {core.exitcode}"))
+        if core_died:                              # the workers saw their pipes end and failed their streams
             log.error("the engine process exited", extra={"fields": {"exitcode": core.exitcode}})
         for worker in workers:
             if worker.is_alive():
@@ -224,9 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
     settings = settings_from(args)
-    if args.api_workers < 1:
-        log.error("--api-workers must be at least 1")
-        return 2
+    args.api_workers = resolve_api_workers(args.api_workers, settings.device, args.engine_thread)
     if args.api_workers > 1 and args.engine_thread:
         log.error("--api-workers > 1 needs the engine in a process of its own (drop --engine-thread)")
         return 2

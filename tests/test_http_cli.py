@@ -2,12 +2,12 @@
 
 import pytest
 
-from server.cli import engine_options, parse_args, settings_from
+from server.cli import engine_options, parse_args, resolve_api_workers, settings_from
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("HOST", "PORT", "MODEL", "API_KEY", "MAX_BATCH", "LOG_PROMPTS", "DEVICE"):
+    for name in ("HOST", "PORT", "MODEL", "API_KEY", "MAX_BATCH", "LOG_PROMPTS", "DEVICE", "API_WORKERS"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -47,3 +47,29 @@ def test_bad_values_are_refused(clean_env, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--port", "eighty"])
     assert "--port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, value, flag", [("PORT", "eighty", "--port"), ("MAX_BATCH", "many", "--max-batch"),
+                                               ("API_WORKERS", "1 4", "--api-workers"),
+                                               ("API_WORKERS", "0", "--api-workers")])
+def test_bad_environment_values_are_refused_like_flags(clean_env, capsys, name, value, flag):
+    clean_env.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([])
+    assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_api_workers_auto_is_one_on_the_cpu_and_per_four_cores_on_a_gpu(clean_env):
+    assert parse_args([]).api_workers == "auto"
+    clean_env.setenv("API_WORKERS", "3")
+    assert parse_args([]).api_workers == 3
+    assert parse_args(["--api-workers", "2"]).api_workers == 2
+    assert resolve_api_workers("auto", "cpu", engine_thread=False) == 1
+    assert resolve_api_workers(2, "cpu", engine_thread=False) == 2
+    clean_env.setattr("os.cpu_count", lambda: 16)
+    assert resolve_api_workers("auto", "cuda", engine_thread=False) == 4
+    assert resolve_api_workers("auto", "cuda:1", engine_thread=True) == 1
+    clean_env.setattr("os.cpu_count", lambda: 64)
+    assert resolve_api_workers("auto", "cuda", engine_thread=False) == 4
+    clean_env.setattr("os.cpu_count", lambda: 6)
+    assert resolve_api_workers("auto", "cuda", engine_thread=False) == 1

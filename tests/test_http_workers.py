@@ -2,10 +2,14 @@
 
 import asyncio
 import json
+import os
+import re
+import signal
+import time
 
 import httpx
 
-from .conftest import metric_value
+from .conftest import metric_value, read_sse
 
 
 async def stream(client: httpx.AsyncClient, url: str, new_tokens: int) -> list[dict]:
@@ -39,3 +43,20 @@ def test_two_workers_share_one_engine_and_their_metrics(start_server):
         assert metric_value(text, "llm_requests_finished_total", 'reason="length"') == requests
         assert metric_value(text, "llm_generation_tokens_total") == requests * new_tokens
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_dead_engine_process_ends_every_workers_streams_with_an_error(start_server):
+    server = start_server("--api-workers", "2", "--max-batch", "8")
+    body = {"inputs": "Count slowly:", "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
+    core_pid = int(re.search(r"engine process (\d+)", server.log_path.read_text()).group(1))
+    with httpx.Client(timeout=60) as client, client.stream("POST", server.url + "/generate_stream", json=body) as r:
+        events = read_sse(r)
+        assert "token" in next(events)[1]                 # generating
+        os.kill(core_pid, signal.SIGKILL)
+        last = [payload for _, payload in events][-1]
+    assert last["error_type"] == "generation" and "engine process" in last["error"]
+    deadline = time.monotonic() + 30                       # the server exits, with an error code
+    while server.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.process.returncode == 1
+    assert "the engine process exited" in server.log_path.read_text()

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from server.engine import EngineConfig, EngineDeadError, FinishEvent, ProcessEngine, SamplingParams
+from server.engine.params import TokenEvent
 
 from .helpers import run_all
 
@@ -55,3 +56,25 @@ def test_a_dead_core_fails_open_streams_and_refuses_new_requests():
             asyncio.run(again())
     finally:
         engine.shutdown()
+
+
+def test_the_router_drops_a_gone_worker_and_serves_the_others():
+    import multiprocessing as mp
+
+    from server.engine.process import _Router, _unpack, event_pipe
+
+    ctx = mp.get_context("spawn")
+    (reader0, writer0), (reader1, writer1) = event_pipe(ctx), event_pipe(ctx)
+    router = _Router([writer0, writer1])
+    reader0.close()                                   # worker 0 has exited
+    token = lambda rid: (rid, TokenEvent(7, "", None, False, 1.0, False))
+    router([token("0:a"), token("1:b")], "stats")
+    router([token("0:a"), token("1:b")], "stats")
+    for _ in range(2):
+        kind, rows, stats = reader1.recv()
+        assert kind == "events" and stats == "stats"
+        assert [(rid, e.token_id) for rid, e in _unpack(rows)] == [("1:b", 7)]
+    assert not reader1.poll(0)
+    writer1.close()
+    with pytest.raises(EOFError):                     # the core's end reaches the reader
+        reader1.recv()

@@ -1,20 +1,26 @@
 """The engine core in a process of its own.
 
 The server process keeps the tokenizer (it makes the text of the tokens) and the asyncio
-streams; the core process owns the model and the GPU. Requests and aborts go down one queue; each step's events and a state
-snapshot come back up another, as one message per step.
+streams; the core process owns the model and the GPU. Requests and aborts go down one queue; each
+step's events and a state snapshot come back up a pipe, as one message per step.
 
 Several HTTP worker processes can share one core (``python -m server --api-workers N``): they
-all send down the one queue, each has a queue of its own coming back, and a request's events go
+all send down the one queue, each has a pipe of its own coming back, and a request's events go
 to the worker whose number prefixes its id (``"2:..."``).
+
+The core writes to the pipes from its step loop itself. A ``multiprocessing.Queue`` would hand
+each message to a feeder thread, and those hand-offs cost the core more than the writes. A worker
+that falls more than a pipe's buffer behind holds the core back instead of growing a backlog in
+it. Only the core keeps a pipe's writing end open, so its end, however it comes, reaches every
+reader at once as end-of-file.
 """
 
 import cProfile
+import fcntl
 import logging
 import logging.config
 import multiprocessing as mp
 import os
-import queue
 import threading
 import time
 
@@ -31,10 +37,22 @@ log = logging.getLogger(__name__)
 
 STATS_REFRESH_S = 0.5      # a worker with no events of its own still gets the engine's state this often
 PROFILE_ENV = "FLASHDECODE_CORE_PROFILE"   # a path: the core's main thread is profiled (cProfile) into it
+PIPE_BUFFER_BYTES = 1 << 20                # about a hundred B=256 steps of events (Linux's unprivileged maximum)
+
+
+def event_pipe(ctx):
+    """(reader, writer) of a one-way pipe for the core's messages, its buffer enlarged where the
+    system allows."""
+    reader, writer = ctx.Pipe(duplex=False)
+    try:
+        fcntl.fcntl(writer.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BUFFER_BYTES)
+    except (AttributeError, OSError):
+        pass                                       # not Linux, or a lower limit: the default buffer
+    return reader, writer
 
 
 def _pack(pairs) -> list[tuple]:
-    """A step's events for the queue: token events as plain tuples, which pickle and unpickle
+    """A step's events for the pipe: token events as plain tuples, which pickle and unpickle
     several times faster than the dataclass."""
     return [(rid, e.token_id, e.logprob, e.special, e.time, e.last) if type(e) is TokenEvent else (rid, e)
             for rid, e in pairs]
@@ -50,10 +68,11 @@ class _Router:
     def __init__(self, outboxes):
         self.outboxes = outboxes
         self._last_sent = [0.0] * len(outboxes)
+        self._gone: set[int] = set()
 
     def __call__(self, pairs, stats) -> None:
         if len(self.outboxes) == 1:
-            self.outboxes[0].put(("events", _pack(pairs), stats))
+            self._send(0, ("events", _pack(pairs), stats))
             return
         if not pairs:                              # a state change worth telling everyone (idle)
             self.broadcast(("events", [], stats))
@@ -62,14 +81,23 @@ class _Router:
         for request_id, event in pairs:
             mine[int(request_id.split(":", 1)[0])].append((request_id, event))
         now = time.monotonic()
-        for worker, (outbox, events) in enumerate(zip(self.outboxes, mine)):
+        for worker, events in enumerate(mine):
             if events or now - self._last_sent[worker] >= STATS_REFRESH_S:
-                outbox.put(("events", _pack(events), stats))
+                self._send(worker, ("events", _pack(events), stats))
                 self._last_sent[worker] = now
 
     def broadcast(self, message) -> None:
-        for outbox in self.outboxes:
-            outbox.put(message)
+        for worker in range(len(self.outboxes)):
+            self._send(worker, message)
+
+    def _send(self, worker: int, message) -> None:
+        if worker in self._gone:
+            return
+        try:
+            self.outboxes[worker].send(message)
+        except OSError:                            # that front end has exited; the others go on
+            self._gone.add(worker)
+            log.warning("front end %d is gone; its events are dropped", worker)
 
 
 def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, inbox, outboxes,
@@ -90,10 +118,6 @@ def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, 
         log.exception("engine core failed")
         router.broadcast(("fatal", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
-    finally:
-        if len(outboxes) > 1:
-            for outbox in outboxes:               # workers that already left read nothing more
-                outbox.cancel_join_thread()
 
 
 def _run_profiled(core: EngineCore, inbox, path: str | None) -> None:
@@ -111,23 +135,27 @@ def _run_profiled(core: EngineCore, inbox, path: str | None) -> None:
 
 
 class EngineChannel:
-    """One worker's end of a shared core: the common inbox, its own outbox, its number, and the
-    core's process id (to notice a core that died without a word)."""
+    """One worker's end of a shared core: the common inbox, the reading end of its own pipe, and
+    its number."""
 
-    def __init__(self, inbox, outbox, worker: int, core_pid: int | None = None):
-        self.inbox, self.outbox, self.worker, self.core_pid = inbox, outbox, worker, core_pid
+    def __init__(self, inbox, outbox, worker: int):
+        self.inbox, self.outbox, self.worker = inbox, outbox, worker
 
 
 def start_shared_core(model: str, dtype: str | None, device: str, config: EngineConfig, workers: int,
                       log_config: dict | None = None):
-    """Starts a core process for ``workers`` HTTP workers; returns it and one channel per worker."""
+    """Starts a core process for ``workers`` HTTP workers; returns it and one channel per worker.
+    The caller hands each channel to its worker process and then closes its own copies of them
+    (``EngineChannel.outbox.close()``), so that a worker's exit breaks its pipe."""
     ctx = mp.get_context("spawn")
     inbox = ctx.Queue()
-    outboxes = [ctx.Queue() for _ in range(workers)]
+    pipes = [event_pipe(ctx) for _ in range(workers)]
     process = ctx.Process(target=core_main, name="engine-core", daemon=True,
-                          args=(model, dtype, device, config, inbox, outboxes, log_config))
+                          args=(model, dtype, device, config, inbox, [w for _, w in pipes], log_config))
     process.start()
-    return process, [EngineChannel(inbox, outbox, i, process.pid) for i, outbox in enumerate(outboxes)]
+    for _, writer in pipes:
+        writer.close()
+    return process, [EngineChannel(inbox, reader, i) for i, (reader, _) in enumerate(pipes)]
 
 
 def stop_core(process, inbox, timeout: float = 30.0) -> None:
@@ -148,41 +176,33 @@ class ProcessEngine(EngineFrontend):
         super().__init__(config or EngineConfig(), load_tokenizer(model))
         if channel is None:
             ctx = mp.get_context("spawn")
-            self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+            self._inbox = ctx.Queue()
+            self._outbox, self._writer = event_pipe(ctx)
             self._process = ctx.Process(target=core_main, name="engine-core", daemon=True,
-                                        args=(model, dtype, device, self.config, self._inbox, [self._outbox],
+                                        args=(model, dtype, device, self.config, self._inbox, [self._writer],
                                               log_config))
         else:
             self._inbox, self._outbox, self._process = channel.inbox, channel.outbox, None
-            self._core_pid = channel.core_pid
             self.id_prefix = f"{channel.worker}:"
         self._reader: threading.Thread | None = None
 
-    def _core_gone(self) -> str | None:
-        if self._process is not None:
-            if not self._process.is_alive():
-                return f"the engine process exited with code {self._process.exitcode}"
-            return None
-        if self._core_pid is not None:
-            try:
-                os.kill(self._core_pid, 0)
-            except ProcessLookupError:
-                return "the engine process is gone"
-        return None
+    def _receive(self):
+        """The core's next message, or ("fatal", why) once the core is gone."""
+        try:
+            return self._outbox.recv()
+        except (EOFError, OSError):
+            if self._process is None:
+                return ("fatal", "the engine process is gone")
+            self._process.join(timeout=5)
+            return ("fatal", f"the engine process exited with code {self._process.exitcode}")
 
     def start(self) -> None:
         """Starts the core process (unless shared) and blocks until its model is loaded and its
         graphs captured."""
         if self._process is not None:
             self._process.start()
-        while True:
-            try:
-                message = self._outbox.get(timeout=1.0)
-                break
-            except queue.Empty:
-                gone = self._core_gone()
-                if gone:
-                    raise RuntimeError(gone)
+            self._writer.close()                   # the core's copy is now the only one
+        message = self._receive()
         if message[0] != "ready":
             raise RuntimeError(f"the engine process failed to start: {message[-1]}")
         self.info = message[1]
@@ -192,13 +212,7 @@ class ProcessEngine(EngineFrontend):
 
     def _read(self) -> None:
         while True:
-            try:
-                message = self._outbox.get(timeout=1.0)
-            except queue.Empty:
-                gone = self._core_gone()
-                if gone is None:
-                    continue
-                message = ("fatal", gone)
+            message = self._receive()
             kind = message[0]
             if kind == "events":
                 self._publish(_unpack(message[1]), message[2])
@@ -214,9 +228,11 @@ class ProcessEngine(EngineFrontend):
         if self._process is None:
             return                                 # the shared core's owner stops it
         stop_core(self._process, self._inbox)
-        for q in (self._inbox, self._outbox):
-            q.close()
-            q.join_thread()
+        self._inbox.close()
+        self._inbox.join_thread()
+        if self._reader is not None:
+            self._reader.join(timeout=5)           # it ends on "stopped" or at the pipe's end
+        self._outbox.close()
 
     def _send(self, message) -> None:
         self._inbox.put(message)
