@@ -4,8 +4,9 @@
 #   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench] [compile]
 #       [http]
 #
-# HTTP_WORKER_COUNTS="1 4" runs the HTTP load test once per API worker count (default 1).
-# (Not API_WORKERS: the server reads that one itself.)
+# HTTP_WORKER_COUNTS="1 4" runs the HTTP load test once per API worker count (default: the server's auto).
+# (Not API_WORKERS: the server reads that one itself.) LOADGEN_WORKERS: client processes (default 8;
+# at 256 streams 4 of them ran at about 90 % CPU each and set the pace).
 # With no stage named, all run. On a host without the web stack, wheels in .whl/ are installed
 # first (see the README's GPU section).
 set -uo pipefail
@@ -60,11 +61,11 @@ if want compile; then
 fi
 if want http; then
   engine_json=${ENGINE_JSON:-$OUT/engine_bench.json}
-  for workers in ${HTTP_WORKER_COUNTS:-1}; do
+  for workers in ${HTTP_WORKER_COUNTS:-auto}; do
     stamp "HTTP load test, $workers API worker(s)"
     timeout 300 python3 -m load_tests.loadgen \
         --serve "--model random:smollm2-135m --device cuda --prefill-delay-steps ${PREFILL_DELAY_STEPS:-8} --api-workers $workers" \
-        --concurrency 1,16,64,256 --input-len 128 --output-len 256 --no-progress --workers 4 \
+        --concurrency 1,16,64,256 --input-len 128 --output-len 256 --no-progress --workers ${LOADGEN_WORKERS:-8} \
         --engine-json "$engine_json" --out-dir "$OUT/http_w$workers" 2>&1 | tee "$OUT/http_w$workers.log" | tail -30
     grep -E "tok/s|ready|captured" "$OUT/http_w$workers/server.log" | tail -40
   done
