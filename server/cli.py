@@ -99,7 +99,15 @@ def resolve_api_workers(workers: int | str, device: str, engine_thread: bool) ->
         return workers
     if engine_thread or not device.startswith("cuda"):
         return 1
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    return max(1, min(4, usable_cpus() // 4))
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (a container's cpuset, not the whole host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                         # not Linux
+        return os.cpu_count() or 1
 
 
 def resolve_device(device: str) -> str:

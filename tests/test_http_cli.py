@@ -66,10 +66,10 @@ def test_api_workers_auto_is_one_on_the_cpu_and_per_four_cores_on_a_gpu(clean_en
     assert parse_args(["--api-workers", "2"]).api_workers == 2
     assert resolve_api_workers("auto", "cpu", engine_thread=False) == 1
     assert resolve_api_workers(2, "cpu", engine_thread=False) == 2
-    clean_env.setattr("os.cpu_count", lambda: 16)
+    clean_env.setattr("server.cli.usable_cpus", lambda: 16)
     assert resolve_api_workers("auto", "cuda", engine_thread=False) == 4
     assert resolve_api_workers("auto", "cuda:1", engine_thread=True) == 1
-    clean_env.setattr("os.cpu_count", lambda: 64)
+    clean_env.setattr("server.cli.usable_cpus", lambda: 64)
     assert resolve_api_workers("auto", "cuda", engine_thread=False) == 4
-    clean_env.setattr("os.cpu_count", lambda: 6)
+    clean_env.setattr("server.cli.usable_cpus", lambda: 6)
     assert resolve_api_workers("auto", "cuda", engine_thread=False) == 1
