@@ -6,7 +6,9 @@ and PyTorch SDPA's cuDNN and flash backends on contiguous ``[B, Hkv, M, D]`` KV 
 20 calls that rotate over enough input sets to stream well past the 60 MB L2, median over
 replays, per call. Writes ``bench.json`` and ``bench.png`` under ``--out`` and prints a Markdown
 table plus the geometric means the targets name. ``--sweep`` also times other split counts,
-the three merge modes and other block sizes (tuning data, in the JSON and a short table).
+the merge modes and other block sizes (tuning data, in the JSON and a short table); ``--modes``
+times ours in other merge modes beside the default for every case; ``--max-kv-mb`` leaves out
+the larger cases.
 """
 
 import argparse
@@ -149,7 +151,7 @@ def sweep_case(case, device):
     for splits in candidates:
         result["splits_us"][splits] = try_time(case.ours(num_splits=splits, buffers=buffers))
     if planned > 1:
-        for mode in (ops.MERGE_LAST_BLOCK, ops.MERGE_KERNEL, ops.MERGE_KERNEL_PDL):
+        for mode in (ops.MERGE_LAST_BLOCK, ops.MERGE_KERNEL, ops.MERGE_KERNEL_PDL, ops.MERGE_PDL_CHAIN):
             result["merge_us"][mode] = try_time(case.ours(num_splits=planned, merge_mode=mode, buffers=buffers))
         for chunk in (64, 128, 512):
             result["min_chunk_us"][chunk] = try_time(case.ours(num_splits=planned, min_chunk=chunk, buffers=buffers))
@@ -217,6 +219,9 @@ def main(argv=None):
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--sweep", action="store_true", help="also time split counts, merge modes, block sizes")
     parser.add_argument("--quick", action="store_true", help="only the first length of each shape and batch")
+    parser.add_argument("--modes", type=int, nargs="*", default=[],
+                        help="merge modes (kernels.ops.MERGE_*) to time beside the default for every case")
+    parser.add_argument("--max-kv-mb", type=float, default=MAX_KV_BYTES / 1e6, help="skip cases with more KV")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,13 +239,15 @@ def main(argv=None):
         for batch in BATCHES:
             for seq_len in LENGTHS[:1] if args.quick else LENGTHS:
                 nbytes = kv_bytes(batch, shape[1], seq_len, shape[2])
-                if nbytes > MAX_KV_BYTES:
+                if nbytes > min(MAX_KV_BYTES, args.max_kv_mb * 1e6):
                     continue
                 label = "/".join(map(str, shape))
                 case = Case(shape, batch, seq_len, args.block_size, device)
                 row = {"shape": label, "batch": batch, "seq_len": seq_len, "kv_mb": nbytes / 1e6,
                        "num_sets": case.num_sets, "num_splits": case.workspace.num_splits(batch),
                        "ours_us": try_time(case.ours())}
+                for mode in args.modes:
+                    row[f"ours_mode{mode}_us"] = try_time(case.ours(merge_mode=mode))
                 for name, backend in PEERS.items():
                     row[f"{name}_us"] = try_time(case.peer(backend))
                 peers = [row[f"{n}_us"] for n in PEERS if row[f"{n}_us"]]
@@ -249,7 +256,8 @@ def main(argv=None):
                 row["pct_peak"] = 100 * nbytes / (ours * 1e-6) / PEAK_BYTES_PER_S if ours else None
                 row["floor_us"] = nbytes / PEAK_BYTES_PER_S * 1e6
                 row["ratio_best"] = min(peers) / ours if ours and peers else None
-                print(f"{label} B={batch} M={seq_len}: ours {fmt(ours)} us (S={row['num_splits']}), "
+                modes = "".join(f", mode {m} {fmt(row[f'ours_mode{m}_us'])}" for m in args.modes)
+                print(f"{label} B={batch} M={seq_len}: ours {fmt(ours)} us (S={row['num_splits']}){modes}, "
                       f"cuDNN {fmt(row['cudnn_us'])}, FA {fmt(row['flash_us'])}", flush=True)
                 if args.sweep:
                     sweep = sweep_case(case, device)
@@ -267,6 +275,11 @@ def main(argv=None):
     plot(rows, out / "bench.png")
     print()
     print(table)
+    for mode in args.modes:
+        speedups = [r["ours_us"] / r[f"ours_mode{mode}_us"] for r in rows if r[f"ours_mode{mode}_us"] and r["ours_us"]]
+        print(f"merge mode {mode} against the default ({ops.DEFAULT_MERGE}): geomean speedup "
+              f"{fmt(geomean(speedups), '.3f')}, range {fmt(min(speedups, default=None), '.3f')}-"
+              f"{fmt(max(speedups, default=None), '.3f')}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ HEADS_PER_BLOCK = 16
 MERGE_LAST_BLOCK = 0    # the last split block of each (sequence, KV head) merges, in the same launch
 MERGE_KERNEL = 1        # a second small kernel
 MERGE_KERNEL_PDL = 2    # the second kernel with programmatic dependent launch
+MERGE_PDL_CHAIN = 3     # as MERGE_KERNEL_PDL, and the split kernel a PDL dependent of its predecessor
 DEFAULT_MERGE = MERGE_KERNEL_PDL   # chosen by measurement, see NOTES.md
 
 _ready_devices: set[int] = set()

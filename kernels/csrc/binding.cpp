@@ -65,7 +65,7 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                     merge_counters.numel() >= batch * hkv * head_tiles,
                 "merge_counters must be int32 with >= B * Hkv * ceil(G / 16) zeros");
   }
-  TORCH_CHECK(merge_mode >= 0 && merge_mode <= 2, "merge_mode must be 0, 1 or 2");
+  TORCH_CHECK(merge_mode >= 0 && merge_mode <= 3, "merge_mode must be 0, 1, 2 or 3");
   TORCH_CHECK(min_chunk >= 1 && min_chunk <= (1 << 30), "min_chunk must be positive");
 
   c10::cuda::CUDAGuard guard(device);

@@ -563,10 +563,14 @@ cudaError_t launch_typed(const DecodeParams& p, cudaStream_t stream) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const int head_tiles = (group + kRows - 1) / kRows;
   const dim3 grid(p.num_splits, p.num_kv_heads * head_tiles, p.batch);
-  // A plain launch: made resident early (PDL) while its predecessor still held SMs, this grid's
-  // 1-2 blocks per SM landed unevenly (measured: 32/8/128 B=8 M=32768 244 -> 307 us).
-  split_kernel<T, D><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
-  err = cudaGetLastError();
+  // A plain launch by default: made resident early (PDL) while its predecessor still held SMs,
+  // this grid's 1-2 blocks per SM landed unevenly (measured: 32/8/128 B=8 M=32768 244 -> 307 us).
+  if (p.merge_mode == kMergePdlChain) {
+    err = launch_pdl(split_kernel<T, D>, grid, dim3(S::kThreads), S::kSmemBytes, stream, p);
+  } else {
+    split_kernel<T, D><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+    err = cudaGetLastError();
+  }
   if (err != cudaSuccess || p.num_splits == 1 || p.merge_mode == kMergeLastBlock) return err;
 
   const dim3 merge_grid(p.num_q_heads, p.batch);

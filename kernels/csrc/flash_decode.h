@@ -14,6 +14,7 @@ enum MergeMode : int {
   kMergeLastBlock = 0,    // the last split block of each (sequence, KV head) merges, same launch
   kMergeKernel = 1,       // a second, small kernel
   kMergeKernelPdl = 2,    // the second kernel with programmatic dependent launch
+  kMergePdlChain = 3,     // as 2, and the split kernel itself a PDL dependent of what precedes it
 };
 
 struct DecodeParams {

@@ -7,6 +7,7 @@
 # HTTP_WORKER_COUNTS="1 4" runs the HTTP load test once per API worker count (default: the server's auto).
 # (Not API_WORKERS: the server reads that one itself.) LOADGEN_WORKERS: client processes (default 8;
 # at 256 streams 4 of them ran at about 90 % CPU each and set the pace).
+# GPU_TESTS narrows the tests stage (pytest paths); KERNEL_BENCH_ARGS go to kernels.bench.
 # With no stage named, all run. On a host without the web stack, wheels in .whl/ are installed
 # first (see the README's GPU section).
 set -uo pipefail
@@ -31,7 +32,7 @@ python3 -c "from kernels import ops; ops.load()" 2>&1 | tail -5 | tee "$OUT/buil
 
 if want tests; then
   stamp "GPU tests"
-  timeout 200 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout 200 python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu} -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
   summary+=("gpu tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/gpu_tests.log" | tail -1)")
 fi
 if want profile; then
@@ -40,7 +41,7 @@ if want profile; then
 fi
 if want kernel-bench; then
   stamp "kernel benchmark"
-  timeout 300 python3 -m kernels.bench --out "$OUT" 2>&1 | tee "$OUT/kernel_bench.log" | tail -40
+  timeout 300 python3 -m kernels.bench --out "$OUT" ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/kernel_bench.log" | tail -40
 fi
 if want layer-bench; then
   stamp "projection benchmark"

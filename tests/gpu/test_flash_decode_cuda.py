@@ -171,7 +171,8 @@ def test_merge_modes_agree_bitwise():
     ws = kernels.Workspace(3, 8, 128, 4096, DEVICE, num_kv_heads=2)
     outs = [ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, num_splits=12, merge_mode=m,
                                   min_chunk=1)
-            for m in (ops.MERGE_LAST_BLOCK, ops.MERGE_KERNEL, ops.MERGE_KERNEL_PDL, ops.MERGE_LAST_BLOCK)]
+            for m in (ops.MERGE_LAST_BLOCK, ops.MERGE_KERNEL, ops.MERGE_KERNEL_PDL, ops.MERGE_PDL_CHAIN,
+                      ops.MERGE_LAST_BLOCK)]
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
     assert torch.count_nonzero(ws.merge_counters) == 0
