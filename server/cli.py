@@ -31,8 +31,13 @@ ENGINE_FLAGS = {
 }
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def _env(name: str, default=None):
-    return os.environ.get(name.upper().replace("-", "_"), default)
+    """The environment's value for an option (an empty one counts as unset)."""
+    return os.environ.get(name.upper().replace("-", "_")) or default
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=_env("model", d.model),
                    help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder, a .gguf "
                         "file or random:<preset>")
-    p.add_argument("--dtype", default=_env("dtype"), choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default=_env("dtype"), choices=DTYPES,
                    help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--device", default=_env("device", "auto"), help="auto, cpu, cuda or cuda:N")
     p.add_argument("--api-key", default=_env("api_key"),
@@ -60,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-prompts", action="store_true", default=_env("log_prompts") == "1",
                    help="debug: write prompts and generated text into the logs")
     p.add_argument("--log-level", default=_env("log_level", d.log_level),
-                   choices=["debug", "info", "warning", "error"])
+                   choices=LOG_LEVELS)
     engine = p.add_argument_group("engine sizing")
     for name, (kind, help_text) in ENGINE_FLAGS.items():
         flag = "--" + name.replace("_", "-")
@@ -77,7 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "per worker (default auto: on a GPU one per 4 CPU cores, at most 4; on the CPU 1)")
     engine.add_argument("--engine-thread", action="store_true", default=_env("engine_thread") == "1",
                         help="run the engine in a thread of the server process instead of a process of its own")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, value, choices in (("--dtype", args.dtype, DTYPES), ("--log-level", args.log_level, LOG_LEVELS)):
+        if value is not None and value not in choices:     # argparse checks flags, not defaults
+            p.error(f"argument {flag}: invalid choice {value!r} from the environment "
+                    f"(choose from {', '.join(choices)})")
+    return args
 
 
 def api_workers_arg(value: str) -> int | str:
@@ -103,11 +113,19 @@ def resolve_api_workers(workers: int | str, device: str, engine_thread: bool) ->
 
 
 def usable_cpus() -> int:
-    """CPUs this process may run on (a container's cpuset, not the whole host's count)."""
+    """CPUs this process may run on: a container's cpuset and CPU quota, not the host's count."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:                         # not Linux
         return os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:  # cgroup v2: "<quota> <period>" or "max <period>"
+            quota, period = f.read().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
 
 
 def resolve_device(device: str) -> str:

@@ -7,7 +7,8 @@ from server.cli import engine_options, parse_args, resolve_api_workers, settings
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("HOST", "PORT", "MODEL", "API_KEY", "MAX_BATCH", "LOG_PROMPTS", "DEVICE", "API_WORKERS"):
+    for name in ("HOST", "PORT", "MODEL", "API_KEY", "MAX_BATCH", "LOG_PROMPTS", "DEVICE", "API_WORKERS", "DTYPE",
+                 "LOG_LEVEL"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -51,7 +52,8 @@ def test_bad_values_are_refused(clean_env, capsys):
 
 @pytest.mark.parametrize("name, value, flag", [("PORT", "eighty", "--port"), ("MAX_BATCH", "many", "--max-batch"),
                                                ("API_WORKERS", "1 4", "--api-workers"),
-                                               ("API_WORKERS", "0", "--api-workers")])
+                                               ("API_WORKERS", "0", "--api-workers"),
+                                               ("DTYPE", "fp8", "--dtype"), ("LOG_LEVEL", "verbose", "--log-level")])
 def test_bad_environment_values_are_refused_like_flags(clean_env, capsys, name, value, flag):
     clean_env.setenv(name, value)
     with pytest.raises(SystemExit) as exit_info:
@@ -73,3 +75,12 @@ def test_api_workers_auto_is_one_on_the_cpu_and_per_four_cores_on_a_gpu(clean_en
     assert resolve_api_workers("auto", "cuda", engine_thread=False) == 4
     clean_env.setattr("server.cli.usable_cpus", lambda: 6)
     assert resolve_api_workers("auto", "cuda", engine_thread=False) == 1
+
+
+def test_empty_environment_values_count_as_unset(clean_env):
+    for name in ("PORT", "MAX_BATCH", "API_WORKERS", "DTYPE", "LOG_LEVEL", "MAX_PROMPT_TOKENS"):
+        clean_env.setenv(name, "")
+    args = parse_args([])
+    assert (args.port, args.api_workers, args.dtype, args.log_level, args.max_prompt_tokens) == \
+        (8000, "auto", None, "info", None)
+    assert engine_options(args) == {}

@@ -5,7 +5,9 @@ import json
 import os
 import re
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -45,16 +47,28 @@ def test_two_workers_share_one_engine_and_their_metrics(start_server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
-def test_a_dead_engine_process_ends_every_workers_streams_with_an_error(start_server):
+def test_a_dead_engine_process_ends_every_open_stream_with_an_error(start_server):
     server = start_server("--api-workers", "2", "--max-batch", "8")
     body = {"inputs": "Count slowly:", "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
     core_pid = int(re.search(r"engine process (\d+)", server.log_path.read_text()).group(1))
-    with httpx.Client(timeout=60) as client, client.stream("POST", server.url + "/generate_stream", json=body) as r:
-        events = read_sse(r)
-        assert "token" in next(events)[1]                 # generating
+    streams = 4
+    generating = threading.Barrier(streams + 1, timeout=60)
+
+    def last_event() -> dict:
+        with httpx.Client(timeout=60) as client, \
+                client.stream("POST", server.url + "/generate_stream", json=body) as r:
+            events = read_sse(r)
+            assert "token" in next(events)[1]
+            generating.wait()
+            return [payload for _, payload in events][-1]
+
+    with ThreadPoolExecutor(streams) as pool:
+        futures = [pool.submit(last_event) for _ in range(streams)]
+        generating.wait()                                  # every stream has its first token
         os.kill(core_pid, signal.SIGKILL)
-        last = [payload for _, payload in events][-1]
-    assert last["error_type"] == "generation" and "engine process" in last["error"]
+        lasts = [f.result() for f in futures]
+    for last in lasts:
+        assert last["error_type"] == "generation" and "engine process" in last["error"]
     deadline = time.monotonic() + 30                       # the server exits, with an error code
     while server.process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)

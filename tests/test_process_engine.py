@@ -2,6 +2,7 @@
 server side."""
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -31,16 +32,21 @@ def test_serves_requests_and_aborts_with_the_pool_back_at_idle(engine):
     assert engine.stats().kv_blocks_used == 0 and engine.stats().running == 0
 
 
-def test_a_dead_core_fails_open_streams_and_refuses_new_requests():
+@pytest.mark.parametrize("pipe_held_open", [False, True])
+def test_a_dead_core_fails_open_streams_and_refuses_new_requests(pipe_held_open):
     engine = ProcessEngine("random:tiny", config=EngineConfig(max_batch=2, num_blocks=128, block_size=16))
+    # as if a child of the core kept its end of the pipe: no end of file, only the liveness check
+    held = os.dup(engine._writer.fileno()) if pipe_held_open else None
     engine.start()
     try:
         async def main():
             stream = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=1500, ignore_eos=True))
             await stream.__anext__()                  # generating
             engine._process.kill()
-            events = [e async for e in stream]
-            return events[-1]
+
+            async def rest():
+                return [e async for e in stream]
+            return (await asyncio.wait_for(rest(), timeout=30))[-1]
 
         finish = asyncio.run(main())
         assert isinstance(finish, FinishEvent) and finish.reason == "error"
@@ -56,6 +62,8 @@ def test_a_dead_core_fails_open_streams_and_refuses_new_requests():
             asyncio.run(again())
     finally:
         engine.shutdown()
+        if held is not None:
+            os.close(held)
 
 
 def test_the_router_drops_a_gone_worker_and_serves_the_others():
@@ -63,18 +71,26 @@ def test_the_router_drops_a_gone_worker_and_serves_the_others():
 
     from server.engine.process import _Router, _unpack, event_pipe
 
-    ctx = mp.get_context("spawn")
-    (reader0, writer0), (reader1, writer1) = event_pipe(ctx), event_pipe(ctx)
-    router = _Router([writer0, writer1])
-    reader0.close()                                   # worker 0 has exited
+    class GoneWorker:
+        sends = 0
+
+        def send(self, message):
+            self.sends += 1
+            raise BrokenPipeError(32, "Broken pipe")
+
+    gone = GoneWorker()
+    reader, writer = event_pipe(mp.get_context("spawn"))
+    router = _Router([gone, writer])
     token = lambda rid: (rid, TokenEvent(7, "", None, False, 1.0, False))
-    router([token("0:a"), token("1:b")], "stats")
-    router([token("0:a"), token("1:b")], "stats")
-    for _ in range(2):
-        kind, rows, stats = reader1.recv()
+    for _ in range(3):
+        router([token("0:a"), token("1:b")], "stats")
+    router.broadcast(("stopped",))
+    assert gone.sends == 1                            # never written to again
+    for _ in range(3):
+        kind, rows, stats = reader.recv()
         assert kind == "events" and stats == "stats"
         assert [(rid, e.token_id) for rid, e in _unpack(rows)] == [("1:b", 7)]
-    assert not reader1.poll(0)
-    writer1.close()
+    assert reader.recv() == ("stopped",) and not reader.poll(0)
+    writer.close()
     with pytest.raises(EOFError):                     # the core's end reaches the reader
-        reader1.recv()
+        reader.recv()

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 STATS_REFRESH_S = 0.5      # a worker with no events of its own still gets the engine's state this often
 PROFILE_ENV = "FLASHDECODE_CORE_PROFILE"   # a path: the core's main thread is profiled (cProfile) into it
+CORE_CHECK_S = 1.0                         # how often an idle front end checks that the core is alive
 PIPE_BUFFER_BYTES = 1 << 20                # about a hundred B=256 steps of events (Linux's unprivileged maximum)
 
 
@@ -135,11 +136,11 @@ def _run_profiled(core: EngineCore, inbox, path: str | None) -> None:
 
 
 class EngineChannel:
-    """One worker's end of a shared core: the common inbox, the reading end of its own pipe, and
-    its number."""
+    """One worker's end of a shared core: the common inbox, the reading end of its own pipe, its
+    number, and the core's process id."""
 
-    def __init__(self, inbox, outbox, worker: int):
-        self.inbox, self.outbox, self.worker = inbox, outbox, worker
+    def __init__(self, inbox, outbox, worker: int, core_pid: int):
+        self.inbox, self.outbox, self.worker, self.core_pid = inbox, outbox, worker, core_pid
 
 
 def start_shared_core(model: str, dtype: str | None, device: str, config: EngineConfig, workers: int,
@@ -155,7 +156,7 @@ def start_shared_core(model: str, dtype: str | None, device: str, config: Engine
     process.start()
     for _, writer in pipes:
         writer.close()
-    return process, [EngineChannel(inbox, reader, i) for i, (reader, _) in enumerate(pipes)]
+    return process, [EngineChannel(inbox, reader, i, process.pid) for i, (reader, _) in enumerate(pipes)]
 
 
 def stop_core(process, inbox, timeout: float = 30.0) -> None:
@@ -183,18 +184,34 @@ class ProcessEngine(EngineFrontend):
                                               log_config))
         else:
             self._inbox, self._outbox, self._process = channel.inbox, channel.outbox, None
+            self._core_pid = channel.core_pid
             self.id_prefix = f"{channel.worker}:"
         self._reader: threading.Thread | None = None
 
     def _receive(self):
-        """The core's next message, or ("fatal", why) once the core is gone."""
+        """The core's next message, or ("fatal", why) once the core is gone: its pipe ends, or,
+        should a child of the core still hold the pipe open, the core is seen gone while idle."""
         try:
+            while not self._outbox.poll(CORE_CHECK_S):
+                gone = self._core_gone()
+                if gone:
+                    return ("fatal", gone)
             return self._outbox.recv()
-        except (EOFError, OSError):
-            if self._process is None:
-                return ("fatal", "the engine process is gone")
-            self._process.join(timeout=5)
-            return ("fatal", f"the engine process exited with code {self._process.exitcode}")
+        except Exception:                          # end of file, or a message cut off by the core's death
+            return ("fatal", self._core_gone(wait=True) or "the engine process is gone")
+
+    def _core_gone(self, wait: bool = False) -> str | None:
+        if self._process is not None:
+            if wait:
+                self._process.join(timeout=5)
+            if self._process.is_alive():
+                return None
+            return f"the engine process exited with code {self._process.exitcode}"
+        try:
+            os.kill(self._core_pid, 0)             # a dead core is reaped by the supervisor within 0.5 s
+        except ProcessLookupError:
+            return "the engine process is gone"
+        return None
 
     def start(self) -> None:
         """Starts the core process (unless shared) and blocks until its model is loaded and its
@@ -228,10 +245,10 @@ class ProcessEngine(EngineFrontend):
         if self._process is None:
             return                                 # the shared core's owner stops it
         stop_core(self._process, self._inbox)
-        self._inbox.close()
-        self._inbox.join_thread()
         if self._reader is not None:
             self._reader.join(timeout=5)           # it ends on "stopped" or at the pipe's end
+        self._inbox.close()
+        self._inbox.join_thread()
         self._outbox.close()
 
     def _send(self, message) -> None:
