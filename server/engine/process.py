@@ -12,7 +12,7 @@ The core writes to the pipes from its step loop itself. A ``multiprocessing.Queu
 each message to a feeder thread, and those hand-offs cost the core more than the writes. A worker
 that falls more than a pipe's buffer behind holds the core back instead of growing a backlog in
 it. Only the core keeps a pipe's writing end open, so its end, however it comes, reaches every
-reader at once as end-of-file.
+reader at once as end-of-file; a reader waiting on an idle pipe also checks that the core lives.
 """
 
 import cProfile
