@@ -269,84 +269,11 @@ __device__ void merge_rows(const DecodeParams& p, int b, int q_head0, int rows, 
   }
 }
 
-// One output row (query head blockIdx.x of sequence blockIdx.y) from its splits: merge_rows's
-// arithmetic in the same order, bit for bit, with one wait for memory instead of two. Each thread
-// owns a float4 column and the splits slice, slice + kSlices, ...; the first kPrefetch of those
-// partials are loaded together with the LSEs, before the weights are known. Every warp reduces
-// the LSEs itself, so no shared memory or barrier comes between.
 template <typename T, int D>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeParams p) {
-  constexpr int kCols = D / 4;
-  constexpr int kSlices = kMergeThreads / kCols;
-  constexpr int kPrefetch = 8;
-  constexpr int kLanes = kMaxSplits / 32;
-  __shared__ float4 partial[kMergeThreads];
   pdl_trigger_then_wait();  // the wait is a no-op unless launched as a PDL dependent
-  const int splits = p.num_splits, hq = p.num_q_heads;
-  const int lane = threadIdx.x % 32, col = threadIdx.x % kCols, slice = threadIdx.x / kCols;
-  const int64_t row = (int64_t)blockIdx.y * splits * hq + blockIdx.x;
-  const int64_t split_stride = (int64_t)hq * D;
-  const float* lse = p.partial_lse + row;
-  const float* src = p.partial_out + row * D + col * 4;
-
-  float own_lse[kPrefetch];
-  float4 own[kPrefetch];
-#pragma unroll
-  for (int i = 0; i < kPrefetch; ++i) {
-    const int s = slice + i * kSlices;
-    own_lse[i] = s < splits ? __ldcg(lse + (int64_t)s * hq) : kNegInf;
-    own[i] = s < splits ? __ldcg(reinterpret_cast<const float4*>(src + s * split_stride))
-                        : make_float4(0.f, 0.f, 0.f, 0.f);  // an empty split's partial is never used
-  }
-  float lanes_lse[kLanes];
-  float mx = kNegInf;
-#pragma unroll
-  for (int i = 0; i < kLanes; ++i) {
-    const int s = lane + 32 * i;
-    lanes_lse[i] = s < splits ? __ldcg(lse + (int64_t)s * hq) : kNegInf;
-    mx = fmaxf(mx, lanes_lse[i]);
-  }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float sum = 0.f;
-  if (mx != kNegInf)
-#pragma unroll
-    for (int i = 0; i < kLanes; ++i)
-      if (lane + 32 * i < splits) sum += __expf(lanes_lse[i] - mx);
-#pragma unroll
-  for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float total = mx == kNegInf ? kNegInf : mx + __logf(sum);
-
-  auto weight = [&](float l) { return (total == kNegInf || l == kNegInf) ? 0.f : __expf(l - total); };
-  auto add = [](float4& acc, float w, const float4& v) {
-    acc.x += w * v.x;
-    acc.y += w * v.y;
-    acc.z += w * v.z;
-    acc.w += w * v.w;
-  };
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-  for (int i = 0; i < kPrefetch; ++i) {
-    const float w = weight(own_lse[i]);
-    if (w > 0.f) add(acc, w, own[i]);
-  }
-  for (int s = slice + kPrefetch * kSlices; s < splits; s += kSlices) {
-    const float w = weight(__ldcg(lse + (int64_t)s * hq));
-    if (w > 0.f) add(acc, w, __ldcg(reinterpret_cast<const float4*>(src + s * split_stride)));
-  }
-  partial[threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.x < kCols) {
-#pragma unroll
-    for (int k = 1; k < kSlices; ++k) {
-      const float4 v = partial[k * kCols + threadIdx.x];
-      acc.x += v.x;
-      acc.y += v.y;
-      acc.z += v.z;
-      acc.w += v.w;
-    }
-    store4(static_cast<T*>(p.out) + ((int64_t)blockIdx.y * hq + blockIdx.x) * D + col * 4, acc);
-  }
+  __shared__ __align__(16) float smem[kRows * kMaxSplits + kMergeThreads * 4];
+  merge_rows<T, D>(p, blockIdx.y, blockIdx.x, 1, smem);
 }
 
 // ---- the split kernel -------------------------------------------------------------------------
