@@ -59,8 +59,8 @@ class ModelRunner:
         self.forward = self._pick_forward(config)
         self._decode_model = self.forward
         if config.compile and self.device.type == "cuda":
-            # one dynamic-shape compile for every bucket, whose kernels the graphs below capture (measured
-            # on the H200: compile and capture did not finish within 4 minutes, hence off by default)
+            # one dynamic-shape compile for every bucket, whose kernels the graphs below capture (on the
+            # H200 it did not finish within 130 s with the fused layers, hence off by default; README)
             self._decode_model = torch.compile(self.forward, dynamic=True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
