@@ -52,6 +52,9 @@ class RequestStream:
     def has_ready_events(self) -> bool:
         return not self._queue.empty()
 
+    def error_finish(self, message: str) -> FinishEvent:
+        return FinishEvent("error", "", self.prompt_tokens, 0, message)
+
     def abort(self) -> None:
         if not self.finished:
             self._frontend.abort(self.request_id)
@@ -124,9 +127,7 @@ class EngineFrontend:
         if self.error is not None:                # the core died meanwhile; its open streams may have been failed before this one
             self._streams.pop(request_id, None)
             self.output.discard(request_id)
-            stream.started = True                  # a failure fanned out to it later leaves the counts alone
-            self._queued_requests -= 1
-            self._queued_tokens -= tokens
+            self._started(stream)                  # a failure fanned out to it later leaves the counts alone
             raise EngineDeadError(self.error)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self._send(("add", (request_id, list(prompt_ids), params, seed)))
@@ -165,22 +166,26 @@ class EngineFrontend:
             self.output.discard(request_id)
             stream = self._streams.get(request_id)
             if stream is not None:
-                failed.append((request_id, FinishEvent("error", "", stream.prompt_tokens, 0, message)))
+                failed.append((request_id, stream.error_finish(message)))
         return failed, ids
+
+    def _started(self, stream: RequestStream) -> None:
+        """The stream's first event: it no longer counts against the queue bounds."""
+        if not stream.started:
+            stream.started = True
+            self._queued_requests -= 1
+            self._queued_tokens -= stream.reserved_tokens
 
     def _fan_out(self, batch) -> None:
         for stream, event in batch:
-            if not stream.started:
-                stream.started = True
-                self._queued_requests -= 1
-                self._queued_tokens -= stream.reserved_tokens
+            self._started(stream)
             if isinstance(event, FinishEvent):
                 self._streams.pop(stream.request_id, None)
             stream._queue.put_nowait(event)
 
     def _fail_streams(self, message: str) -> None:
         """The core is gone: end every open stream with an error."""
-        pairs = [(rid, FinishEvent("error", "", s.prompt_tokens, 0, message)) for rid, s in list(self._streams.items())]
+        pairs = [(rid, s.error_finish(message)) for rid, s in list(self._streams.items())]
         self._publish(pairs, self._stats)
 
 
