@@ -97,13 +97,15 @@ class Case:
             self.paged[block_size] = self._pack(block_size)
         return self.paged[block_size]
 
-    def ours(self, block_size=None, num_splits=None, merge_mode=None, buffers=None, min_chunk=None):
+    def ours(self, block_size=None, num_splits=None, merge_mode=None, buffers=None, min_chunk=None,
+             prefetch_table=True):
         ws = self.workspace if buffers is None else buffers
 
         def make(q, kc, vc, bt):
             if buffers is None:
                 return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=ws,
-                                                     num_splits=num_splits, merge_mode=merge_mode)
+                                                     num_splits=num_splits, merge_mode=merge_mode,
+                                                     prefetch_table=prefetch_table)
             return lambda: torch.ops.flashdecode.flash_decode(
                 q, kc, vc, bt, self.seq_lens, q.shape[-1] ** -0.5, num_splits, ws.partial_out, ws.partial_lse,
                 ws.merge_counters, ops.DEFAULT_MERGE if merge_mode is None else merge_mode,
@@ -151,7 +153,7 @@ def sweep_case(case, device):
     for splits in candidates:
         result["splits_us"][splits] = try_time(case.ours(num_splits=splits, buffers=buffers))
     if planned > 1:
-        for mode in (ops.MERGE_LAST_BLOCK, ops.MERGE_KERNEL, ops.MERGE_KERNEL_PDL, ops.MERGE_PDL_CHAIN):
+        for mode in ops.MERGE_MODES:
             result["merge_us"][mode] = try_time(case.ours(num_splits=planned, merge_mode=mode, buffers=buffers))
         for chunk in (64, 128, 512):
             result["min_chunk_us"][chunk] = try_time(case.ours(num_splits=planned, min_chunk=chunk, buffers=buffers))
@@ -159,6 +161,15 @@ def sweep_case(case, device):
         for bs in SWEEP_BLOCK_SIZES:
             result["block_size_us"][bs] = try_time(case.ours(block_size=bs))
     return result
+
+
+def launch_floor_us(device):
+    """GPU time per call of one and of two back-to-back trivial kernels, timed as every case is:
+    what a call costs before it moves a byte."""
+    x = torch.zeros(1, device=device)
+    one = time_per_call_us([lambda: x.add_(1.0)])
+    two = time_per_call_us([lambda: (x.add_(1.0), x.mul_(1.0))])
+    return {"one_kernel_us": one, "two_kernels_us": two}
 
 
 def geomean(values):
@@ -221,6 +232,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="only the first length of each shape and batch")
     parser.add_argument("--modes", type=int, nargs="*", default=[],
                         help="merge modes (kernels.ops.MERGE_*) to time beside the default for every case")
+    parser.add_argument("--prefetch-ab", action="store_true",
+                        help="also time the default mode without the block-table prefetch")
     parser.add_argument("--max-kv-mb", type=float, default=MAX_KV_BYTES / 1e6, help="skip cases with more KV")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -231,6 +244,10 @@ def main(argv=None):
     rows, sweeps = [], []
     meta = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "block_size": args.block_size,
             "min_chunk": planner.MIN_CHUNK, "resident_per_sm": planner.RESIDENT_PER_SM, "default_merge": ops.DEFAULT_MERGE}
+
+    meta.update(launch_floor_us(device))
+    print(f"launch floor: one trivial kernel {meta['one_kernel_us']:.2f} us per call, "
+          f"two {meta['two_kernels_us']:.2f} us", flush=True)
 
     def save(targets=None):  # after every case, so a run cut short still leaves its numbers
         (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": targets,
@@ -248,6 +265,8 @@ def main(argv=None):
                        "ours_us": try_time(case.ours())}
                 for mode in args.modes:
                     row[f"ours_mode{mode}_us"] = try_time(case.ours(merge_mode=mode))
+                if args.prefetch_ab:
+                    row["ours_noprefetch_us"] = try_time(case.ours(prefetch_table=False))
                 for name, backend in PEERS.items():
                     row[f"{name}_us"] = try_time(case.peer(backend))
                 peers = [row[f"{n}_us"] for n in PEERS if row[f"{n}_us"]]
@@ -257,6 +276,8 @@ def main(argv=None):
                 row["floor_us"] = nbytes / PEAK_BYTES_PER_S * 1e6
                 row["ratio_best"] = min(peers) / ours if ours and peers else None
                 modes = "".join(f", mode {m} {fmt(row[f'ours_mode{m}_us'])}" for m in args.modes)
+                if args.prefetch_ab:
+                    modes += f", no prefetch {fmt(row['ours_noprefetch_us'])}"
                 print(f"{label} B={batch} M={seq_len}: ours {fmt(ours)} us (S={row['num_splits']}){modes}, "
                       f"cuDNN {fmt(row['cudnn_us'])}, FA {fmt(row['flash_us'])}", flush=True)
                 if args.sweep:
@@ -275,11 +296,17 @@ def main(argv=None):
     plot(rows, out / "bench.png")
     print()
     print(table)
-    for mode in args.modes:
-        speedups = [r["ours_us"] / r[f"ours_mode{mode}_us"] for r in rows if r[f"ours_mode{mode}_us"] and r["ours_us"]]
-        print(f"merge mode {mode} against the default ({ops.DEFAULT_MERGE}): geomean speedup "
+    variants = [(f"ours_mode{m}_us", f"merge mode {m}") for m in args.modes]
+    if args.prefetch_ab:
+        variants.append(("ours_noprefetch_us", "no table prefetch"))
+    for key, name in variants:
+        speedups = [r["ours_us"] / r[key] for r in rows if r[key] and r["ours_us"]]
+        print(f"{name} against the default (mode {ops.DEFAULT_MERGE}, prefetch on): geomean speedup "
               f"{fmt(geomean(speedups), '.3f')}, range {fmt(min(speedups, default=None), '.3f')}-"
               f"{fmt(max(speedups, default=None), '.3f')}")
+        for r in rows:
+            r[key.replace("_us", "_speedup")] = r["ours_us"] / r[key] if r[key] and r["ours_us"] else None
+    save(targets)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,9 @@ struct Shape {
   static constexpr int kOStride = D + 4;                         // padded fp32 row, epilogue
   static_assert(kConsumerWarps * kRows * kOStride * 4 <= kSmemBytes, "epilogue does not fit");
   static_assert(kRows * kMaxSplits * 4 + kThreads * 16 <= kSmemBytes, "merge does not fit");
+  static constexpr int kClusterOut = 64 * 1024;                  // the block's merged rows, fp32
+  static_assert(kConsumerWarps * kRows * kOStride * 4 <= kClusterOut, "epilogue overlaps the cluster rows");
+  static_assert(kClusterOut + kRows * D * 4 <= kSmemBytes, "cluster rows do not fit");
 };
 
 // ---- PTX wrappers ---------------------------------------------------------------------------
@@ -87,6 +90,37 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
 }
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Distributed shared memory: the same variable in the cluster's block ``rank``.
+__device__ __forceinline__ uint32_t cluster_addr(const void* p, uint32_t rank) {
+  uint32_t addr;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(addr) : "r"(smem_u32(p)), "r"(rank));
+  return addr;
+}
+
+__device__ __forceinline__ float cluster_load(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ float2 cluster_load2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
+// Every thread of every block of the cluster; shared-memory writes before it are visible after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
   uint32_t y;
@@ -271,9 +305,53 @@ __device__ void merge_rows(const DecodeParams& p, int b, int q_head0, int rows, 
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeParams p) {
-  pdl_trigger_then_wait();  // the wait is a no-op unless launched as a PDL dependent
+  if (p.merge_mode == kMergePdlLate) {  // the next split grid lands on SMs this split grid has left
+    pdl_wait();
+    pdl_trigger();
+  } else {
+    pdl_trigger_then_wait();  // the wait is a no-op unless launched as a PDL dependent
+  }
   __shared__ __align__(16) float smem[kRows * kMaxSplits + kMergeThreads * 4];
   merge_rows<T, D>(p, blockIdx.y, blockIdx.x, 1, smem);
+}
+
+// Output rows of a cluster's (sequence, head group) from the rows and LSEs its blocks left in
+// their shared memory (block = split = cluster rank). One round trip: every split's LSE and row
+// slice are loaded together, and an empty split (lse = -inf) is skipped, never multiplied.
+template <typename T, int D>
+__device__ void cluster_merge(const DecodeParams& p, const Work& w, const float* rows_smem, const float* lse_smem) {
+  constexpr int kCols = D / 2;
+  const int splits = gridDim.x;
+  const int items = w.rows * kCols;
+  for (int item = blockIdx.x + splits * threadIdx.x; item < items; item += splits * blockDim.x) {
+    const int row = item / kCols, col = item % kCols;
+    float lse[kMaxClusterSplits];
+    float2 part[kMaxClusterSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSplits; ++s) {
+      if (s < splits) {
+        lse[s] = cluster_load(cluster_addr(lse_smem + row, s));
+        part[s] = cluster_load2(cluster_addr(rows_smem + row * D + 2 * col, s));
+      }
+    }
+    float mx = kNegInf;
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSplits; ++s)
+      if (s < splits) mx = fmaxf(mx, lse[s]);
+    float sum = 0.f, x = 0.f, y = 0.f;
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSplits; ++s) {
+      if (s < splits && lse[s] != kNegInf) {
+        const float wgt = __expf(lse[s] - mx);
+        sum += wgt;
+        x += wgt * part[s].x;
+        y += wgt * part[s].y;
+      }
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + ((int64_t)w.b * p.num_q_heads + w.q_head0 + row) * D +
+                                 2 * col) = Elem<T>::pack(x * inv, y * inv);
+  }
 }
 
 // ---- the split kernel -------------------------------------------------------------------------
@@ -441,28 +519,38 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   __shared__ float row_lse[kRows];
   __shared__ int is_last;
 
-  // Lets the merge kernel (a PDL dependent) get its blocks resident now; they wait
-  // (griddepcontrol.wait) until this whole grid has finished and flushed. (The wait here is a
-  // no-op: this grid is launched plainly, after its predecessor.)
-  pdl_trigger_then_wait();
-  const Work w = block_work<D>(p);
+  const int splits = gridDim.x, hq = p.num_q_heads;
+  const bool cluster = splits > 1 && (p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl);
+  // Late trigger: the next grid (a PDL dependent) is let in once this call's KV reads are done.
+  // Early (default): the merge kernel gets its blocks resident now and they wait
+  // (griddepcontrol.wait) until this whole grid has finished and flushed.
+  const bool late_trigger = cluster || p.merge_mode == kMergeClusterPdl || (p.merge_mode == kMergePdlLate && splits == 1);
+  if (!late_trigger) pdl_trigger();
+  pdl_wait();  // a no-op unless this grid was launched as a PDL dependent
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, qd = lane % 4;
-  const int splits = gridDim.x, hq = p.num_q_heads;
   const bool consumer = warp != S::kProducerWarp;
+  if (p.prefetch_table && !consumer) {
+    const int32_t* row = p.block_table + (int64_t)blockIdx.z * p.block_table_stride;
+    const int lines = min((p.max_blocks + 31) / 32, 256);
+    for (int i = lane; i <= lines; i += 32) prefetch_l2(row + min(32 * i, p.max_blocks - 1));
+  }
+  const Work w = block_work<D>(p);
   T* stages = reinterpret_cast<T*>(smem);
   float* o_smem = reinterpret_cast<float*>(smem);
+  float* cluster_rows = reinterpret_cast<float*>(smem + S::kClusterOut);
+
+  if (threadIdx.x == 0) {  // while the sequence length is in flight
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
 
   if (w.start < w.end) {
     const int n_tiles = (w.end - w.start + kTile - 1) / kTile;
-    if (threadIdx.x == 0) {
-      for (int s = 0; s < kStages; ++s) {
-        mbar_init(&full[s], 1);
-        mbar_init(&empty[s], kConsumerWarps);
-      }
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
 
     float o[S::kGroups][4][4];
 #pragma unroll
@@ -522,18 +610,30 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
       const int64_t head = w.q_head0 + row;
       if (splits == 1) {
         store4(static_cast<T*>(p.out) + ((int64_t)w.b * hq + head) * D + 4 * col, acc);
+      } else if (cluster) {
+        *reinterpret_cast<float4*>(cluster_rows + row * D + 4 * col) = acc;
       } else {
         *reinterpret_cast<float4*>(p.partial_out + (((int64_t)w.b * splits + blockIdx.x) * hq + head) * D +
                                    4 * col) = acc;
       }
     }
-    if (splits > 1 && threadIdx.x < w.rows)
+    if (splits > 1 && !cluster && threadIdx.x < w.rows)
       p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = row_lse[threadIdx.x];
   } else if (splits == 1) {  // only for an (invalid) length of 0: write zeros, never NaN
     uint16_t* out = static_cast<uint16_t*>(p.out) + ((int64_t)w.b * hq + w.q_head0) * D;
     for (int idx = threadIdx.x; idx < w.rows * D; idx += kThreads) out[idx] = 0;
-  } else if (threadIdx.x < w.rows) {  // an empty split contributes lse = -inf and no output
+  } else if (cluster) {  // an empty split contributes lse = -inf and no output
+    if (threadIdx.x < w.rows) row_lse[threadIdx.x] = kNegInf;
+  } else if (threadIdx.x < w.rows) {
     p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = kNegInf;
+  }
+  if (late_trigger) pdl_trigger();
+
+  if (cluster) {
+    cluster_sync();  // every split's rows and LSEs are in its shared memory
+    cluster_merge<T, D>(p, w, cluster_rows, row_lse);
+    cluster_sync();  // no block leaves while another still reads its shared memory
+    return;
   }
 
   if (splits == 1 || p.merge_mode != kMergeLastBlock) return;
@@ -554,24 +654,84 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
 
 // ---- launchers ---------------------------------------------------------------------------------
 
+// Whether a cluster of ``splits`` split blocks fits on this device (cached per device and size).
 template <typename T, int D>
-cudaError_t launch_typed(const DecodeParams& p, cudaStream_t stream) {
+bool cluster_fits(int splits) {
+  using S = Shape<D>;
+  static int8_t known[64][kMaxClusterSplits + 1];  // 0 unknown, 1 fits, -1 does not
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return false;
+  int8_t k = __atomic_load_n(&known[device][splits], __ATOMIC_ACQUIRE);
+  if (k != 0) return k > 0;
+  bool fits = splits <= 8 || cudaFuncSetAttribute(split_kernel<T, D>, cudaFuncAttributeNonPortableClusterSizeAllowed,
+                                                  1) == cudaSuccess;
+  if (fits) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(splits, 1, 1);
+    config.blockDim = dim3(S::kThreads);
+    config.dynamicSmemBytes = S::kSmemBytes;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = splits;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    int clusters = 0;
+    fits = cudaOccupancyMaxActiveClusters(&clusters, split_kernel<T, D>, &config) == cudaSuccess && clusters > 0;
+  }
+  cudaGetLastError();  // a refusal above is an answer, not an error to report later
+  __atomic_store_n(&known[device][splits], int8_t(fits ? 1 : -1), __ATOMIC_RELEASE);
+  return fits;
+}
+
+template <typename T, int D>
+cudaError_t launch_split(const DecodeParams& p, dim3 grid, bool cluster, bool pdl, cudaStream_t stream) {
+  using S = Shape<D>;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(S::kThreads);
+  config.dynamicSmemBytes = S::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (cluster) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = grid.x;
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  config.attrs = attr;
+  config.numAttrs = n;
+  return cudaLaunchKernelEx(&config, split_kernel<T, D>, p);
+}
+
+template <typename T, int D>
+cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   using S = Shape<D>;
   static uint64_t smem_raised = 0;
   cudaError_t err = allow_dynamic_smem(split_kernel<T, D>, S::kSmemBytes, smem_raised);
   if (err != cudaSuccess) return err;
+  DecodeParams p = params;
+  const bool cluster_mode = p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl;
+  const bool cluster = cluster_mode && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
+                       cluster_fits<T, D>(p.num_splits);
+  if (cluster_mode && !cluster && p.num_splits > 1)  // too many splits for one cluster: merge by kernel
+    p.merge_mode = p.merge_mode == kMergeCluster ? kMergeKernelPdl : kMergePdlLate;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int head_tiles = (group + kRows - 1) / kRows;
   const dim3 grid(p.num_splits, p.num_kv_heads * head_tiles, p.batch);
   // A plain launch by default: made resident early (PDL) while its predecessor still held SMs,
   // this grid's 1-2 blocks per SM landed unevenly (measured: 32/8/128 B=8 M=32768 244 -> 307 us).
-  if (p.merge_mode == kMergePdlChain) {
-    err = launch_pdl(split_kernel<T, D>, grid, dim3(S::kThreads), S::kSmemBytes, stream, p);
-  } else {
-    split_kernel<T, D><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
-    err = cudaGetLastError();
-  }
-  if (err != cudaSuccess || p.num_splits == 1 || p.merge_mode == kMergeLastBlock) return err;
+  const bool pdl = p.merge_mode == kMergePdlChain || p.merge_mode == kMergePdlLate || p.merge_mode == kMergeClusterPdl;
+  err = launch_split<T, D>(p, grid, cluster, pdl, stream);
+  if (err != cudaSuccess || p.num_splits == 1 || cluster || p.merge_mode == kMergeLastBlock) return err;
 
   const dim3 merge_grid(p.num_q_heads, p.batch);
   if (p.merge_mode == kMergeKernel) {

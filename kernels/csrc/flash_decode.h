@@ -15,6 +15,10 @@ enum MergeMode : int {
   kMergeKernel = 1,       // a second, small kernel
   kMergeKernelPdl = 2,    // the second kernel with programmatic dependent launch
   kMergePdlChain = 3,     // as 2, and the split kernel itself a PDL dependent of what precedes it
+  kMergePdlLate = 4,      // as 3, but the next grid is let in only once this call's KV reads are done
+  kMergeCluster = 5,      // the splits of a (sequence, head group) form a thread-block cluster and
+                          // merge through distributed shared memory, in one launch (else as 2)
+  kMergeClusterPdl = 6,   // as 5, launched as a PDL dependent with the late trigger of 4 (else as 4)
 };
 
 struct DecodeParams {
@@ -34,6 +38,7 @@ struct DecodeParams {
   float scale;
   DType dtype;
   int merge_mode;
+  bool prefetch_table;            // pull the block-table row into L2 while the length is in flight
 };
 
 struct WriteKvParams {
@@ -51,6 +56,8 @@ struct WriteKvParams {
 
 // Largest split count a launch accepts (bounds the merge's shared memory).
 constexpr int kMaxSplits = 256;
+// Most splits one cluster merge serves (a non-portable cluster size on Hopper); more use the kernel.
+constexpr int kMaxClusterSplits = 16;
 // Query heads one thread block serves (the MMA's M); larger GQA groups take several blocks.
 constexpr int kHeadsPerBlock = 16;
 

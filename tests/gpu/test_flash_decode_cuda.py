@@ -87,7 +87,7 @@ def poison(workspace, out_shape, dtype):
 
 
 def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, num_splits=None, workspace=None,
-                         seed=None, min_chunk=None):
+                         seed=None, min_chunk=None, merge_mode=None):
     k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, head_dim, block_size, dtype)
     batch = len(lengths)
     q = torch.randn(batch, num_q, head_dim, device=DEVICE, dtype=dtype)
@@ -96,18 +96,19 @@ def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, nu
         workspace = kernels.Workspace(batch, num_q, head_dim, table.shape[1] * block_size, DEVICE,
                                       num_kv_heads=num_kv)
     poison(workspace, q.shape, dtype)
-    if min_chunk is None:
+    if min_chunk is None and merge_mode is None:
         out = kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace,
                                    num_splits=num_splits)
-    else:  # smaller device-side chunks than the default: more non-empty splits to merge
+    else:  # another merge mode, or smaller device-side chunks: more non-empty splits to merge
         out = ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace,
-                                    num_splits=num_splits, min_chunk=min_chunk)
+                                    num_splits=num_splits, min_chunk=min_chunk, merge_mode=merge_mode)
     ref = oracle(q, k_cache, v_cache, table, seq_lens, scale)
     plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale)
     err = (out.double() - ref).abs().max().item()
     plain_err = (plain.double() - ref).abs().max().item()
     splits = num_splits or workspace.num_splits(batch)
-    info = f"seed={seed} lengths={lengths[:8]}... splits={splits} err={err:.3g} plain={plain_err:.3g}"
+    info = (f"seed={seed} lengths={lengths[:8]}... splits={splits} mode={merge_mode} err={err:.3g} "
+            f"plain={plain_err:.3g}")
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.isfinite(out).all(), "NaN/inf in output: " + info
     assert err <= 2 * plain_err + 1e-6, info
@@ -166,19 +167,41 @@ def test_large_blocks(block_size, fresh_seed):
 
 
 def test_merge_modes_agree_bitwise():
+    """Every mode that merges by kernel or by the last block does the same arithmetic; so do the
+    cluster modes once a split count is too large for one cluster (they fall back to the kernel)."""
     k_cache, v_cache, table, seq_lens = make_paged([3000, 17, 1], 2, 128, 32, torch.bfloat16)
     q = torch.randn(3, 8, 128, device=DEVICE, dtype=torch.bfloat16)
-    ws = kernels.Workspace(3, 8, 128, 4096, DEVICE, num_kv_heads=2)
-    outs = [ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, num_splits=12, merge_mode=m,
-                                  min_chunk=1)
-            for m in (ops.MERGE_LAST_BLOCK, ops.MERGE_KERNEL, ops.MERGE_KERNEL_PDL, ops.MERGE_PDL_CHAIN,
-                      ops.MERGE_LAST_BLOCK)]
+    ws = kernels.Workspace(3, 8, 128, 4096, DEVICE, num_kv_heads=2, max_splits=64)
+
+    def run(mode, splits, prefetch=True):
+        return ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, num_splits=splits,
+                                     merge_mode=mode, min_chunk=1, prefetch_table=prefetch)
+    outs = [run(m, 12) for m in (ops.MERGE_LAST_BLOCK, ops.MERGE_KERNEL, ops.MERGE_KERNEL_PDL,
+                                 ops.MERGE_PDL_CHAIN, ops.MERGE_PDL_LATE, ops.MERGE_LAST_BLOCK)]
+    outs.append(run(ops.MERGE_KERNEL_PDL, 12, prefetch=False))
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
+    wide = [run(m, 17) for m in (ops.MERGE_KERNEL_PDL, ops.MERGE_CLUSTER, ops.MERGE_CLUSTER_PDL)]
+    for out in wide[1:]:
+        assert torch.equal(out, wide[0])
     assert torch.count_nonzero(ws.merge_counters) == 0
 
 
-def test_graph_replay_equals_eager():
+@pytest.mark.parametrize("merge_mode", [ops.MERGE_CLUSTER, ops.MERGE_CLUSTER_PDL, ops.MERGE_PDL_LATE])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8, 11, 16, 17])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128), (20, 1, 64)])
+def test_cluster_and_late_trigger_modes(merge_mode, num_splits, shape, fresh_seed):
+    """Ragged lengths leave some splits of a cluster empty (length 1 leaves all but one)."""
+    num_q, num_kv, dim = shape
+    lengths = [1, 300, 4097] + torch.randint(1, 5000, (2,)).tolist()
+    ws = kernels.Workspace(len(lengths), num_q, dim, 5200, DEVICE, num_kv_heads=num_kv, max_splits=32)
+    for min_chunk in (None, 1):
+        check_against_oracle(lengths, num_q, num_kv, dim, 32, torch.bfloat16, num_splits=num_splits,
+                             workspace=ws, seed=fresh_seed, min_chunk=min_chunk, merge_mode=merge_mode)
+
+
+@pytest.mark.parametrize("merge_mode", [None, ops.MERGE_PDL_LATE, ops.MERGE_CLUSTER_PDL])
+def test_graph_replay_equals_eager(merge_mode):
     batch, num_q, num_kv, dim, bs = 6, 9, 3, 64, 16
     k_cache, v_cache, table, seq_lens = make_paged([4000] * batch, num_kv, dim, bs, torch.bfloat16)
     ws = kernels.Workspace(batch, num_q, dim, table.shape[1] * bs, DEVICE, num_kv_heads=num_kv)
@@ -189,7 +212,7 @@ def test_graph_replay_equals_eager():
 
     def step():
         kernels.write_kv(k_cache, v_cache, key, value, slots)
-        return kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, workspace=ws)
+        return ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, merge_mode=merge_mode)
 
     def new_inputs(round_):
         lens = torch.randint(1, 3999, (batch,), dtype=torch.int32)
@@ -265,6 +288,8 @@ def test_rejects_unsupported_inputs():
     with pytest.raises(ValueError, match="block_size"):
         kc = torch.zeros(4, 2, 24, 64, device=DEVICE, dtype=torch.bfloat16)
         kernels.flash_decode(q, kc, kc.clone(), table, seq_lens)
+    with pytest.raises(ValueError, match="merge_mode"):
+        ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, merge_mode=7)
 
 
 def test_no_host_sync_and_no_allocation_but_output():
