@@ -97,19 +97,17 @@ class Case:
             self.paged[block_size] = self._pack(block_size)
         return self.paged[block_size]
 
-    def ours(self, block_size=None, num_splits=None, merge_mode=None, buffers=None, min_chunk=None,
-             prefetch_table=True):
+    def ours(self, block_size=None, num_splits=None, merge_mode=None, buffers=None, min_chunk=None, spread=False):
         ws = self.workspace if buffers is None else buffers
 
         def make(q, kc, vc, bt):
             if buffers is None:
                 return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=ws,
-                                                     num_splits=num_splits, merge_mode=merge_mode,
-                                                     prefetch_table=prefetch_table)
+                                                     num_splits=num_splits, merge_mode=merge_mode, spread=spread)
             return lambda: torch.ops.flashdecode.flash_decode(
                 q, kc, vc, bt, self.seq_lens, q.shape[-1] ** -0.5, num_splits, ws.partial_out, ws.partial_lse,
                 ws.merge_counters, ops.DEFAULT_MERGE if merge_mode is None else merge_mode,
-                planner.MIN_CHUNK if min_chunk is None else min_chunk)
+                planner.MIN_CHUNK if min_chunk is None else min_chunk, spread)
         return [make(*s) for s in self.paged_sets(block_size or self.block_size)]
 
     def peer(self, backend):
@@ -148,7 +146,7 @@ def sweep_case(case, device):
     buffers = SweepBuffers(case.batch, num_q, dim, device)
     cap = min(ops.MAX_SPLITS, planner.max_splits_for(case.seq_len, ops.MAX_SPLITS))
     candidates = sorted({max(1, planned // 2), planned, min(cap, planned * 3 // 2), min(cap, 2 * planned),
-                         min(cap, 3 * planned)})
+                         min(cap, 3 * planned), min(cap, 2), min(cap, 4)})
     result = {"planned_splits": planned, "splits_us": {}, "merge_us": {}, "block_size_us": {}, "min_chunk_us": {}}
     for splits in candidates:
         result["splits_us"][splits] = try_time(case.ours(num_splits=splits, buffers=buffers))
@@ -232,8 +230,10 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="only the first length of each shape and batch")
     parser.add_argument("--modes", type=int, nargs="*", default=[],
                         help="merge modes (kernels.ops.MERGE_*) to time beside the default for every case")
-    parser.add_argument("--prefetch-ab", action="store_true",
-                        help="also time the default mode without the block-table prefetch")
+    parser.add_argument("--spread-modes", type=int, nargs="*", default=[],
+                        help="merge modes to time with spread=True (one block per SM where the grid fits)")
+    parser.add_argument("--cluster-sweep", action="store_true",
+                        help="also time the cluster merge (mode 6, spread) at 2, 4, 8 and 16 splits")
     parser.add_argument("--max-kv-mb", type=float, default=MAX_KV_BYTES / 1e6, help="skip cases with more KV")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -245,6 +245,9 @@ def main(argv=None):
     meta = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "block_size": args.block_size,
             "min_chunk": planner.MIN_CHUNK, "resident_per_sm": planner.RESIDENT_PER_SM, "default_merge": ops.DEFAULT_MERGE}
 
+    variants = [(f"ours_mode{m}_us", f"mode {m}", {"merge_mode": m}) for m in args.modes]
+    variants += [(f"ours_mode{m}_spread_us", f"mode {m} spread", {"merge_mode": m, "spread": True})
+                 for m in args.spread_modes]
     meta.update(launch_floor_us(device))
     print(f"launch floor: one trivial kernel {meta['one_kernel_us']:.2f} us per call, "
           f"two {meta['two_kernels_us']:.2f} us", flush=True)
@@ -263,10 +266,15 @@ def main(argv=None):
                 row = {"shape": label, "batch": batch, "seq_len": seq_len, "kv_mb": nbytes / 1e6,
                        "num_sets": case.num_sets, "num_splits": case.workspace.num_splits(batch),
                        "ours_us": try_time(case.ours())}
-                for mode in args.modes:
-                    row[f"ours_mode{mode}_us"] = try_time(case.ours(merge_mode=mode))
-                if args.prefetch_ab:
-                    row["ours_noprefetch_us"] = try_time(case.ours(prefetch_table=False))
+                for key, _, kwargs in variants:
+                    row[key] = try_time(case.ours(**kwargs))
+                if args.cluster_sweep:
+                    buffers = SweepBuffers(batch, shape[0], shape[2], device)
+                    cap = planner.max_splits_for(seq_len, ops.MAX_SPLITS)
+                    row["cluster_sweep_us"] = {
+                        n: try_time(case.ours(num_splits=n, merge_mode=ops.MERGE_CLUSTER_PDL, spread=True,
+                                              buffers=buffers))
+                        for n in (2, 4, 8, 16) if n <= cap}
                 for name, backend in PEERS.items():
                     row[f"{name}_us"] = try_time(case.peer(backend))
                 peers = [row[f"{n}_us"] for n in PEERS if row[f"{n}_us"]]
@@ -275,9 +283,9 @@ def main(argv=None):
                 row["pct_peak"] = 100 * nbytes / (ours * 1e-6) / PEAK_BYTES_PER_S if ours else None
                 row["floor_us"] = nbytes / PEAK_BYTES_PER_S * 1e6
                 row["ratio_best"] = min(peers) / ours if ours and peers else None
-                modes = "".join(f", mode {m} {fmt(row[f'ours_mode{m}_us'])}" for m in args.modes)
-                if args.prefetch_ab:
-                    modes += f", no prefetch {fmt(row['ours_noprefetch_us'])}"
+                modes = "".join(f", {name} {fmt(row[key])}" for key, name, _ in variants)
+                if args.cluster_sweep:
+                    modes += f", cluster sweep {{{', '.join(f'{n}: {fmt(t)}' for n, t in row['cluster_sweep_us'].items())}}}"
                 print(f"{label} B={batch} M={seq_len}: ours {fmt(ours)} us (S={row['num_splits']}){modes}, "
                       f"cuDNN {fmt(row['cudnn_us'])}, FA {fmt(row['flash_us'])}", flush=True)
                 if args.sweep:
@@ -296,12 +304,9 @@ def main(argv=None):
     plot(rows, out / "bench.png")
     print()
     print(table)
-    variants = [(f"ours_mode{m}_us", f"merge mode {m}") for m in args.modes]
-    if args.prefetch_ab:
-        variants.append(("ours_noprefetch_us", "no table prefetch"))
-    for key, name in variants:
+    for key, name, _ in variants:
         speedups = [r["ours_us"] / r[key] for r in rows if r[key] and r["ours_us"]]
-        print(f"{name} against the default (mode {ops.DEFAULT_MERGE}, prefetch on): geomean speedup "
+        print(f"{name} against the default: geomean speedup "
               f"{fmt(geomean(speedups), '.3f')}, range {fmt(min(speedups, default=None), '.3f')}-"
               f"{fmt(max(speedups, default=None), '.3f')}")
         for r in rows:

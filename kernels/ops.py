@@ -26,8 +26,9 @@ MERGE_PDL_CHAIN = 3     # as MERGE_KERNEL_PDL, and the split kernel a PDL depend
 MERGE_PDL_LATE = 4      # as MERGE_PDL_CHAIN, the next grid let in only after this call's KV reads
 MERGE_CLUSTER = 5       # a cluster per (sequence, head group) merges in shared memory (<= 16 splits, else 2)
 MERGE_CLUSTER_PDL = 6   # as MERGE_CLUSTER, launched as a PDL dependent with the late trigger (else 4)
-MERGE_MODES = tuple(range(7))
-DEFAULT_MERGE = MERGE_KERNEL_PDL   # chosen by measurement, see NOTES.md
+MERGE_AUTO = 7          # chosen per grid by the launcher: 6 with spread where it fits, else 4
+MERGE_MODES = tuple(range(8))
+DEFAULT_MERGE = MERGE_AUTO   # chosen by measurement, see NOTES.md
 
 _ready_devices: set[int] = set()
 _default_workspaces: dict[tuple, Workspace] = {}
@@ -54,8 +55,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("flashdecode::flash_decode")
     def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits,
-                           partial_out, partial_lse, merge_counters, merge_mode=2, min_chunk=256,
-                           prefetch_table=True):
+                           partial_out, partial_lse, merge_counters, merge_mode=7, min_chunk=256,
+                           spread=False):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("flashdecode::write_kv")
@@ -154,7 +155,7 @@ def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_se
 
 
 def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None,
-                      merge_mode=None, min_chunk=None, prefetch_table=True):
+                      merge_mode=None, min_chunk=None, spread=False):
     """``kernels.flash_decode`` for CUDA tensors; see ``kernels/__init__.py`` for the contract."""
     batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
                                                                                seq_lens)
@@ -182,7 +183,7 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     chunk = planner.MIN_CHUNK if min_chunk is None else int(min_chunk)
     return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, splits,
                                               workspace.partial_out, workspace.partial_lse,
-                                              workspace.merge_counters, mode, chunk, bool(prefetch_table))
+                                              workspace.merge_counters, mode, chunk, bool(spread))
 
 
 def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):

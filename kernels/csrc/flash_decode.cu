@@ -45,6 +45,7 @@ struct Shape {
   static constexpr int kThreads = (kConsumerWarps + 1) * 32;
   static_assert(2 * kTile * D * 2 == kStageBytes, "a tile of K and V fills one stage");
   static constexpr int kSmemBytes = kStages * kStageBytes;
+  static constexpr int kSpreadSmemBytes = 128 * 1024;              // over half an SM's 228 KB
   static constexpr int kGroups = D / 32;                         // 16-byte loads per row per thread
   static constexpr int kOStride = D + 4;                         // padded fp32 row, epilogue
   static_assert(kConsumerWarps * kRows * kOStride * 4 <= kSmemBytes, "epilogue does not fit");
@@ -89,10 +90,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                    smem_u32(dst)),
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // Distributed shared memory: the same variable in the cluster's block ``rank``.
@@ -530,11 +527,6 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, qd = lane % 4;
   const bool consumer = warp != S::kProducerWarp;
-  if (p.prefetch_table && !consumer) {
-    const int32_t* row = p.block_table + (int64_t)blockIdx.z * p.block_table_stride;
-    const int lines = min((p.max_blocks + 31) / 32, 256);
-    for (int i = lane; i <= lines; i += 32) prefetch_l2(row + min(32 * i, p.max_blocks - 1));
-  }
   const Work w = block_work<D>(p);
   T* stages = reinterpret_cast<T*>(smem);
   float* o_smem = reinterpret_cast<float*>(smem);
@@ -655,13 +647,24 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
 // ---- launchers ---------------------------------------------------------------------------------
 
 // Whether a cluster of ``splits`` split blocks fits on this device (cached per device and size).
+int sm_count() {
+  static int known[64];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return 0;
+  int n = __atomic_load_n(&known[device], __ATOMIC_ACQUIRE);
+  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess)
+    __atomic_store_n(&known[device], n, __ATOMIC_RELEASE);
+  return n;
+}
+
 template <typename T, int D>
-bool cluster_fits(int splits) {
+bool cluster_fits(int splits, int smem_bytes) {
   using S = Shape<D>;
-  static int8_t known[64][kMaxClusterSplits + 1];  // 0 unknown, 1 fits, -1 does not
+  static int8_t known[64][2][kMaxClusterSplits + 1];  // 0 unknown, 1 fits, -1 does not
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return false;
-  int8_t k = __atomic_load_n(&known[device][splits], __ATOMIC_ACQUIRE);
+  int8_t& slot = known[device][smem_bytes == S::kSmemBytes ? 0 : 1][splits];
+  int8_t k = __atomic_load_n(&slot, __ATOMIC_ACQUIRE);
   if (k != 0) return k > 0;
   bool fits = splits <= 8 || cudaFuncSetAttribute(split_kernel<T, D>, cudaFuncAttributeNonPortableClusterSizeAllowed,
                                                   1) == cudaSuccess;
@@ -669,7 +672,7 @@ bool cluster_fits(int splits) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(splits, 1, 1);
     config.blockDim = dim3(S::kThreads);
-    config.dynamicSmemBytes = S::kSmemBytes;
+    config.dynamicSmemBytes = smem_bytes;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = splits;
@@ -681,17 +684,18 @@ bool cluster_fits(int splits) {
     fits = cudaOccupancyMaxActiveClusters(&clusters, split_kernel<T, D>, &config) == cudaSuccess && clusters > 0;
   }
   cudaGetLastError();  // a refusal above is an answer, not an error to report later
-  __atomic_store_n(&known[device][splits], int8_t(fits ? 1 : -1), __ATOMIC_RELEASE);
+  __atomic_store_n(&slot, int8_t(fits ? 1 : -1), __ATOMIC_RELEASE);
   return fits;
 }
 
 template <typename T, int D>
-cudaError_t launch_split(const DecodeParams& p, dim3 grid, bool cluster, bool pdl, cudaStream_t stream) {
+cudaError_t launch_split(const DecodeParams& p, dim3 grid, int smem_bytes, bool cluster, bool pdl,
+                         cudaStream_t stream) {
   using S = Shape<D>;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(S::kThreads);
-  config.dynamicSmemBytes = S::kSmemBytes;
+  config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   cudaLaunchAttribute attr[2];
   int n = 0;
@@ -716,21 +720,33 @@ template <typename T, int D>
 cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   using S = Shape<D>;
   static uint64_t smem_raised = 0;
-  cudaError_t err = allow_dynamic_smem(split_kernel<T, D>, S::kSmemBytes, smem_raised);
+  cudaError_t err = allow_dynamic_smem(split_kernel<T, D>, S::kSpreadSmemBytes, smem_raised);
   if (err != cudaSuccess) return err;
   DecodeParams p = params;
-  const bool cluster_mode = p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl;
-  const bool cluster = cluster_mode && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
-                       cluster_fits<T, D>(p.num_splits);
-  if (cluster_mode && !cluster && p.num_splits > 1)  // too many splits for one cluster: merge by kernel
-    p.merge_mode = p.merge_mode == kMergeCluster ? kMergeKernelPdl : kMergePdlLate;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int head_tiles = (group + kRows - 1) / kRows;
   const dim3 grid(p.num_splits, p.num_kv_heads * head_tiles, p.batch);
+  const int64_t blocks = (int64_t)grid.x * grid.y * grid.z;
+  const int sms = sm_count();
+  if (p.merge_mode == kMergeAuto) {
+    // PDL with the late trigger everywhere, which needs a one-wave grid spread one block per SM
+    // (else the early-placed blocks doubled up on some SMs: 10-14 % slower). A cluster merge
+    // where its clusters cannot crowd the SMs they share: two splits, or a grid of at most half
+    // the SMs (sixteen-block clusters on 128 blocks were 50 % slower). See NOTES.md.
+    p.spread = blocks <= sms;
+    const bool small_clusters = p.num_splits == 2 || 2 * blocks <= sms;
+    p.merge_mode = p.num_splits > 1 && p.spread && small_clusters ? kMergeClusterPdl : kMergePdlLate;
+  }
+  const int smem = p.spread && blocks <= sms ? S::kSpreadSmemBytes : S::kSmemBytes;
+  const bool cluster_mode = p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl;
+  const bool cluster = cluster_mode && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
+                       cluster_fits<T, D>(p.num_splits, smem);
+  if (cluster_mode && !cluster && p.num_splits > 1)  // too many splits for one cluster: merge by kernel
+    p.merge_mode = p.merge_mode == kMergeCluster ? kMergeKernelPdl : kMergePdlLate;
   // A plain launch by default: made resident early (PDL) while its predecessor still held SMs,
   // this grid's 1-2 blocks per SM landed unevenly (measured: 32/8/128 B=8 M=32768 244 -> 307 us).
   const bool pdl = p.merge_mode == kMergePdlChain || p.merge_mode == kMergePdlLate || p.merge_mode == kMergeClusterPdl;
-  err = launch_split<T, D>(p, grid, cluster, pdl, stream);
+  err = launch_split<T, D>(p, grid, smem, cluster, pdl, stream);
   if (err != cudaSuccess || p.num_splits == 1 || cluster || p.merge_mode == kMergeLastBlock) return err;
 
   const dim3 merge_grid(p.num_q_heads, p.batch);

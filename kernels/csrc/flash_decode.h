@@ -19,6 +19,7 @@ enum MergeMode : int {
   kMergeCluster = 5,      // the splits of a (sequence, head group) form a thread-block cluster and
                           // merge through distributed shared memory, in one launch (else as 2)
   kMergeClusterPdl = 6,   // as 5, launched as a PDL dependent with the late trigger of 4 (else as 4)
+  kMergeAuto = 7,         // by the grid, as measured best on the H200 (launch_typed in flash_decode.cu)
 };
 
 struct DecodeParams {
@@ -38,7 +39,8 @@ struct DecodeParams {
   float scale;
   DType dtype;
   int merge_mode;
-  bool prefetch_table;            // pull the block-table row into L2 while the length is in flight
+  bool spread;                    // a grid of at most one block per SM asks for enough shared
+                                  // memory that no SM can take two of its blocks
 };
 
 struct WriteKvParams {

@@ -87,7 +87,7 @@ def poison(workspace, out_shape, dtype):
 
 
 def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, num_splits=None, workspace=None,
-                         seed=None, min_chunk=None, merge_mode=None):
+                         seed=None, min_chunk=None, merge_mode=None, spread=False):
     k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, head_dim, block_size, dtype)
     batch = len(lengths)
     q = torch.randn(batch, num_q, head_dim, device=DEVICE, dtype=dtype)
@@ -96,12 +96,13 @@ def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, nu
         workspace = kernels.Workspace(batch, num_q, head_dim, table.shape[1] * block_size, DEVICE,
                                       num_kv_heads=num_kv)
     poison(workspace, q.shape, dtype)
-    if min_chunk is None and merge_mode is None:
+    if min_chunk is None and merge_mode is None and not spread:
         out = kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace,
                                    num_splits=num_splits)
     else:  # another merge mode, or smaller device-side chunks: more non-empty splits to merge
         out = ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace,
-                                    num_splits=num_splits, min_chunk=min_chunk, merge_mode=merge_mode)
+                                    num_splits=num_splits, min_chunk=min_chunk, merge_mode=merge_mode,
+                                    spread=spread)
     ref = oracle(q, k_cache, v_cache, table, seq_lens, scale)
     plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale)
     err = (out.double() - ref).abs().max().item()
@@ -173,12 +174,12 @@ def test_merge_modes_agree_bitwise():
     q = torch.randn(3, 8, 128, device=DEVICE, dtype=torch.bfloat16)
     ws = kernels.Workspace(3, 8, 128, 4096, DEVICE, num_kv_heads=2, max_splits=64)
 
-    def run(mode, splits, prefetch=True):
+    def run(mode, splits, spread=False):
         return ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, num_splits=splits,
-                                     merge_mode=mode, min_chunk=1, prefetch_table=prefetch)
+                                     merge_mode=mode, min_chunk=1, spread=spread)
     outs = [run(m, 12) for m in (ops.MERGE_LAST_BLOCK, ops.MERGE_KERNEL, ops.MERGE_KERNEL_PDL,
-                                 ops.MERGE_PDL_CHAIN, ops.MERGE_PDL_LATE, ops.MERGE_LAST_BLOCK)]
-    outs.append(run(ops.MERGE_KERNEL_PDL, 12, prefetch=False))
+                                 ops.MERGE_PDL_CHAIN, ops.MERGE_PDL_LATE, ops.MERGE_AUTO, ops.MERGE_LAST_BLOCK)]
+    outs.append(run(ops.MERGE_KERNEL_PDL, 12, spread=True))
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
     wide = [run(m, 17) for m in (ops.MERGE_KERNEL_PDL, ops.MERGE_CLUSTER, ops.MERGE_CLUSTER_PDL)]
@@ -187,20 +188,23 @@ def test_merge_modes_agree_bitwise():
     assert torch.count_nonzero(ws.merge_counters) == 0
 
 
-@pytest.mark.parametrize("merge_mode", [ops.MERGE_CLUSTER, ops.MERGE_CLUSTER_PDL, ops.MERGE_PDL_LATE])
+@pytest.mark.parametrize("spread", [False, True])
+@pytest.mark.parametrize("merge_mode", [ops.MERGE_CLUSTER, ops.MERGE_CLUSTER_PDL, ops.MERGE_PDL_LATE, ops.MERGE_AUTO])
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 8, 11, 16, 17])
 @pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128), (20, 1, 64)])
-def test_cluster_and_late_trigger_modes(merge_mode, num_splits, shape, fresh_seed):
+def test_cluster_and_late_trigger_modes(merge_mode, num_splits, shape, spread, fresh_seed):
     """Ragged lengths leave some splits of a cluster empty (length 1 leaves all but one)."""
     num_q, num_kv, dim = shape
     lengths = [1, 300, 4097] + torch.randint(1, 5000, (2,)).tolist()
-    ws = kernels.Workspace(len(lengths), num_q, dim, 5200, DEVICE, num_kv_heads=num_kv, max_splits=32)
+    # max_batch sized so that the workspace holds every split of every sequence
+    ws = kernels.Workspace(len(lengths) * num_splits, num_q, dim, 5200, DEVICE, num_kv_heads=num_kv, max_splits=32)
     for min_chunk in (None, 1):
         check_against_oracle(lengths, num_q, num_kv, dim, 32, torch.bfloat16, num_splits=num_splits,
-                             workspace=ws, seed=fresh_seed, min_chunk=min_chunk, merge_mode=merge_mode)
+                             workspace=ws, seed=fresh_seed, min_chunk=min_chunk, merge_mode=merge_mode,
+                             spread=spread)
 
 
-@pytest.mark.parametrize("merge_mode", [None, ops.MERGE_PDL_LATE, ops.MERGE_CLUSTER_PDL])
+@pytest.mark.parametrize("merge_mode", [ops.MERGE_KERNEL_PDL, ops.MERGE_PDL_LATE, ops.MERGE_CLUSTER_PDL, None])
 def test_graph_replay_equals_eager(merge_mode):
     batch, num_q, num_kv, dim, bs = 6, 9, 3, 64, 16
     k_cache, v_cache, table, seq_lens = make_paged([4000] * batch, num_kv, dim, bs, torch.bfloat16)
