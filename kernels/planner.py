@@ -10,7 +10,8 @@ own length evenly among those splits on the device; splits that start past its e
 
 MIN_CHUNK = 256         # a split never gets fewer tokens (on the device too): fewer cost more to merge
 RESIDENT_PER_SM = 2     # the CUDA kernel keeps two blocks per SM
-FILL = 0.95             # a plan must keep at least this share of the SMs (or block slots) busy
+FILL = 0.95             # a plan must keep at least this share of the block slots busy
+ONE_WAVE_FILL = 0.9     # ... or of the SMs, for one block per SM (spread: no SM doubles up)
 TAIL_MIN_CHUNK = 8192   # splitting only to even out the last wave pays where splits keep this many tokens
 
 
@@ -24,16 +25,17 @@ def wave_fill(blocks: int, slots: int) -> float:
 
 
 def plan_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_seq_len: int, cap: int = 128) -> int:
-    """Splits per (sequence, KV head), as measured best on the H200 (kernels/NOTES.md): one even
-    wave of one block per SM, else of two; else, for long sequences, the fewest splits whose blocks
-    fill whole waves; else one."""
+    """Splits per (sequence, KV head), as measured best on the H200 (kernels/NOTES.md): one wave
+    of one block per SM filling 90 % of the SMs, else an even wave of two per SM; else, for long
+    sequences, the fewest splits whose blocks fill whole waves; else one."""
     if batch < 1 or num_kv_heads < 1:
         raise ValueError("batch and num_kv_heads must be positive")
     work_items = batch * num_kv_heads
     limit = max_splits_for(max_seq_len, cap)
     for per_sm in range(1, RESIDENT_PER_SM + 1):
         splits = per_sm * num_sms // work_items
-        if splits >= 1 and work_items * splits >= FILL * per_sm * num_sms:
+        fill = ONE_WAVE_FILL if per_sm == 1 else FILL
+        if splits >= 1 and work_items * splits >= fill * per_sm * num_sms:
             return min(splits, limit)
     slots = RESIDENT_PER_SM * num_sms
     tail_limit = max(1, min(limit, max_seq_len // TAIL_MIN_CHUNK))

@@ -293,7 +293,7 @@ def test_rejects_unsupported_inputs():
         kc = torch.zeros(4, 2, 24, 64, device=DEVICE, dtype=torch.bfloat16)
         kernels.flash_decode(q, kc, kc.clone(), table, seq_lens)
     with pytest.raises(ValueError, match="merge_mode"):
-        ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, merge_mode=7)
+        ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, merge_mode=8)
 
 
 def test_no_host_sync_and_no_allocation_but_output():

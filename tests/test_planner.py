@@ -1,0 +1,39 @@
+"""The split planner: the plans measured best on the H200 (132 SMs), and its invariants."""
+
+import pytest
+
+from kernels.planner import MIN_CHUNK, max_splits_for, plan_num_splits, wave_fill
+
+H200_SMS = 132
+
+
+@pytest.mark.parametrize("batch,kv_heads,max_len,expected", [
+    (1, 3, 131072, 44),    # one block per SM, 132 of 132
+    (1, 8, 32768, 16),     # 128 of 132
+    (8, 3, 4096, 5),       # 120 of 132: one spread wave beat 11 splits at two per SM (12.5 vs 13.5 us)
+    (8, 8, 4096, 2),       # 128 of 132
+    (1, 3, 512, 2),        # capped by the minimum chunk: 512 tokens make two splits
+    (64, 3, 4096, 1),      # 192 work items: no even wave, too short to split for the tail
+    (64, 3, 131072, 4),    # long: the fewest splits that fill whole waves of 264 slots
+])
+def test_measured_plans(batch, kv_heads, max_len, expected):
+    assert plan_num_splits(batch, kv_heads, H200_SMS, max_len) == expected
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 7, 16, 64, 255, 256])
+@pytest.mark.parametrize("kv_heads", [1, 3, 8])
+@pytest.mark.parametrize("max_len", [1, 255, 256, 4097, 131072])
+def test_plans_stay_in_bounds(batch, kv_heads, max_len):
+    splits = plan_num_splits(batch, kv_heads, H200_SMS, max_len)
+    assert 1 <= splits <= max_splits_for(max_len)
+    assert splits == 1 or max_len > (splits - 1) * MIN_CHUNK   # no split is empty by plan
+
+
+def test_wave_fill():
+    assert wave_fill(264, 264) == 1.0
+    assert wave_fill(265, 264) == pytest.approx(265 / 528)
+
+
+def test_rejects_empty_work():
+    with pytest.raises(ValueError):
+        plan_num_splits(0, 3, H200_SMS, 100)
