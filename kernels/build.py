@@ -70,18 +70,22 @@ def check_device(device: torch.device) -> None:
 _loaded_path: str | None = None
 
 
-def load_extension(verbose: bool = False, require_device: bool = True) -> str:
+def load_extension(verbose: bool = False, require_device: bool = True, timeline: bool = False) -> str:
     """Build (first time) and load the library that registers ``torch.ops.flashdecode``.
-    ``require_device=False`` builds where no GPU is visible (an image build, say)."""
+    ``require_device=False`` builds where no GPU is visible (an image build, say). ``timeline``
+    builds the diagnostic variant instead (``kernels/timeline.py``); a process holds one variant,
+    the first it loads."""
     global _loaded_path
     if _loaded_path is None:
         check_toolchain(require_device)
         from torch.utils.cpp_extension import load
-        build_dir = cache_dir()
+        build_dir = cache_dir() / "timeline" if timeline else cache_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
-        load(name=EXTENSION_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CXX_FLAGS,
-             extra_cuda_cflags=NVCC_FLAGS, extra_include_paths=[str(CSRC)], build_directory=str(build_dir),
-             is_python_module=False, verbose=verbose)
+        define = ["-DFLASHDECODE_TIMELINE"] if timeline else []
+        load(name=EXTENSION_NAME + ("_timeline" if timeline else ""), sources=[str(CSRC / s) for s in SOURCES],
+             extra_cflags=CXX_FLAGS + define, extra_cuda_cflags=NVCC_FLAGS + define,
+             extra_include_paths=[str(CSRC)], build_directory=str(build_dir), is_python_module=False,
+             verbose=verbose)
         _loaded_path = str(build_dir)
     return _loaded_path
 

@@ -110,9 +110,16 @@ def main(argv=None):
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--prefill-graph-buckets", type=int, nargs="*", default=None,
                     help="token buckets of prefill graphs (none given: off; default: the engine's)")
+    ap.add_argument("--merge-mode", type=int, default=None,
+                    help="the attention kernel's launch plan (kernels.ops.MERGE_*), to compare plans")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.merge_mode is not None:
+        from kernels import ops
+        if args.merge_mode not in ops.MERGE_MODES:
+            ap.error(f"--merge-mode must be one of {ops.MERGE_MODES}")
+        ops.DEFAULT_MERGE = args.merge_mode
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     device = loaded.device

@@ -284,6 +284,15 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   TORCH_CHECK(err == cudaSuccess, "rope_write_kv launch failed: ", cudaGetErrorString(err));
 }
 
+#ifdef FLASHDECODE_TIMELINE
+at::Tensor read_timeline(bool reset) {
+  at::Tensor out = at::empty({kTimelineBlocks, kTimelineStamps}, at::TensorOptions().dtype(at::kLong));
+  const cudaError_t err = flashdecode::read_timeline(out.data_ptr<int64_t>(), reset);
+  TORCH_CHECK(err == cudaSuccess, "read_timeline failed: ", cudaGetErrorString(err));
+  return out;
+}
+#endif
+
 }  // namespace
 }  // namespace flashdecode
 
@@ -300,6 +309,9 @@ TORCH_LIBRARY(flashdecode, m) {
   m.def(
       "rope_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor slot_mapping, int num_q_heads) -> ()");
+#ifdef FLASHDECODE_TIMELINE
+  m.def("read_timeline(bool reset) -> Tensor", &flashdecode::read_timeline);
+#endif
 }
 
 TORCH_LIBRARY_IMPL(flashdecode, CUDA, m) {

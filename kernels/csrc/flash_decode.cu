@@ -57,6 +57,24 @@ struct Shape {
 
 // ---- PTX wrappers ---------------------------------------------------------------------------
 
+// Timeline stamps (diagnostic build only): the SM clock when ``dep`` (a loaded value) is ready.
+enum Stamp { kEntry, kWaited, kLength, kTable, kFirstTile, kLoopDone, kStored, kExit, kEntryNs, kExitNs };
+#ifdef FLASHDECODE_TIMELINE
+__device__ long long g_timeline[kTimelineBlocks][kTimelineStamps];
+__device__ __forceinline__ void stamp(Stamp which, uint32_t dep = 0) {
+  const int64_t block = blockIdx.x + (int64_t)gridDim.x * (blockIdx.y + (int64_t)gridDim.y * blockIdx.z);
+  long long t;
+  asm volatile("{\n .reg .b32 z;\n and.b32 z, %1, 0;\n mov.u64 %0, %%clock64;\n}" : "=l"(t) : "r"(dep) : "memory");
+  if (block < kTimelineBlocks) g_timeline[block][which] = t;
+  if (which == kEntry || which == kExit) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    if (block < kTimelineBlocks) g_timeline[block][which == kEntry ? kEntryNs : kExitNs] = t;
+  }
+}
+#else
+__device__ __forceinline__ void stamp(Stamp, uint32_t = 0) {}
+#endif
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -374,6 +392,7 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   int base = w.start / bs;
   auto fetch = [&](int page) { return page < pages ? __ldg(table + page) : 0; };
   int cur = fetch(base + lane), next = fetch(base + 32 + lane);
+  if (lane == 0) stamp(kTable, cur);
 
   for (int i = 0; i < n_tiles; ++i) {
     const int stage = i % kStages;
@@ -431,6 +450,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
     const int stage = i % kStages;
     const int t_warp = w.start + i * kTile + warp * kWarpTokens;
     mbar_wait(&full[stage], (i / kStages) & 1);
+    if (i == 0 && warp == 0 && lane == 0) stamp(kFirstTile);
     const T* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * kWarpTokens * D;
     const T* v_tile = k_tile + kTile * D;
     if (t_warp >= w.end) {
@@ -504,6 +524,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
   }
   l_lo = quad_sum(l_lo);
   l_hi = quad_sum(l_hi);
+  if (warp == 0 && lane == 0) stamp(kLoopDone, __float_as_uint(l_lo));
 }
 
 template <typename T, int D>
@@ -522,12 +543,15 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   // Early (default): the merge kernel gets its blocks resident now and they wait
   // (griddepcontrol.wait) until this whole grid has finished and flushed.
   const bool late_trigger = cluster || p.merge_mode == kMergeClusterPdl || (p.merge_mode == kMergePdlLate && splits == 1);
+  if (threadIdx.x == 0) stamp(kEntry);
   if (!late_trigger) pdl_trigger();
   pdl_wait();  // a no-op unless this grid was launched as a PDL dependent
+  if (threadIdx.x == 0) stamp(kWaited);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, qd = lane % 4;
   const bool consumer = warp != S::kProducerWarp;
   const Work w = block_work<D>(p);
+  if (threadIdx.x == 0) stamp(kLength, w.len);
   T* stages = reinterpret_cast<T*>(smem);
   float* o_smem = reinterpret_cast<float*>(smem);
   float* cluster_rows = reinterpret_cast<float*>(smem + S::kClusterOut);
@@ -620,13 +644,16 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
     p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = kNegInf;
   }
   if (late_trigger) pdl_trigger();
+  if (threadIdx.x == 0) stamp(kStored);
 
   if (cluster) {
     cluster_sync();  // every split's rows and LSEs are in its shared memory
     cluster_merge<T, D>(p, w, cluster_rows, row_lse);
     cluster_sync();  // no block leaves while another still reads its shared memory
+    if (threadIdx.x == 0) stamp(kExit);
     return;
   }
+  if (threadIdx.x == 0) stamp(kExit);
 
   if (splits == 1 || p.merge_mode != kMergeLastBlock) return;
   // The last block of this (sequence, head group) to finish merges all its splits.
@@ -791,6 +818,18 @@ cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
   }
   return cudaErrorInvalidValue;
 }
+
+#ifdef FLASHDECODE_TIMELINE
+cudaError_t read_timeline(int64_t* host, bool reset) {
+  cudaError_t err = cudaMemcpyFromSymbol(host, g_timeline, sizeof(g_timeline));
+  if (err == cudaSuccess && reset) {
+    void* ptr = nullptr;
+    err = cudaGetSymbolAddress(&ptr, g_timeline);
+    if (err == cudaSuccess) err = cudaMemset(ptr, 0, sizeof(g_timeline));
+  }
+  return err;
+}
+#endif
 
 cudaError_t launch_write_kv(const WriteKvParams& p, cudaStream_t stream) {
   const int64_t total = p.num_tokens * p.num_kv_heads * (p.row_bytes / 16);

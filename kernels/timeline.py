@@ -1,0 +1,78 @@
+"""Where a call's time goes inside the split kernel: ``python -m kernels.timeline [--out FILE]``.
+
+Builds the diagnostic variant of the extension (``-DFLASHDECODE_TIMELINE``), whose split kernel
+records, per block, the SM clock at each stage of its chain: entry, past the PDL wait, sequence
+length loaded, block-table slice loaded (producer), first tile arrived (consumer), main loop
+done, rows stored, exit. For each case it makes the L2 cold (a 256 MB write), runs one call of
+the default launch plan, and prints the median over blocks of each stage's time since the block
+began, beside the call's time under CUDA-graph replay (bench.py's method, same build) and the
+span from the first block's entry to the last block's exit. What is left of the graph time
+after the span is launch, drain and, with more than 16 splits, the merge kernel.
+"""
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from . import bench, build, ops
+from .paging import DEFAULT_BLOCK_SIZE
+
+STAGES = ("waited", "length", "table", "first_tile", "loop_done", "stored", "exit")
+ENTRY, EXIT, ENTRY_NS, EXIT_NS = 0, 7, 8, 9
+CASES = (((9, 3, 64), 1, 512), ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 32768), ((9, 3, 64), 8, 4096),
+         ((9, 3, 64), 64, 512), ((32, 8, 128), 1, 4096), ((32, 8, 128), 8, 512), ((32, 8, 128), 8, 4096))
+
+
+def one_call(call, blocks, flush):
+    torch.ops.flashdecode.read_timeline(True)
+    flush.zero_()
+    call()
+    torch.cuda.synchronize()
+    stamps = torch.ops.flashdecode.read_timeline(False)[:blocks].tolist()
+    ran = [s for s in stamps if s[EXIT]]
+    ghz = statistics.median((s[EXIT] - s[ENTRY]) / max(s[EXIT_NS] - s[ENTRY_NS], 1) for s in ran)
+    stages = {}
+    for i, name in enumerate(STAGES, start=1):
+        done = [(s[i] - s[ENTRY]) / ghz / 1e3 for s in ran if s[i]]
+        stages[name] = statistics.median(done) if done else None
+    span_us = (max(s[EXIT_NS] for s in ran) - min(s[ENTRY_NS] for s in ran)) / 1e3
+    return stages, span_us, ghz
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    build.load_extension(timeline=True)
+    ops.load(device)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    rows = []
+    print("us since the block began (median over blocks, median of repeats); graph = bench.py's per-call time")
+    print("| case | S | blocks | graph us | span us | " + " | ".join(STAGES) + " |")
+    print("|---" * (len(STAGES) + 5) + "|")
+    for shape, batch, seq_len in CASES:
+        case = bench.Case(shape, batch, seq_len, DEFAULT_BLOCK_SIZE, device)
+        splits = case.workspace.num_splits(batch)
+        blocks = min(splits * shape[1] * -(-(shape[0] // shape[1]) // ops.HEADS_PER_BLOCK) * batch, 4096)
+        calls = case.ours()
+        graph_us = bench.time_per_call_us(calls)
+        runs = [one_call(calls[i % len(calls)], blocks, flush) for i in range(args.repeats)]
+        stages = {n: statistics.median(r[0][n] for r in runs if r[0][n] is not None) for n in STAGES}
+        span = statistics.median(r[1] for r in runs)
+        label = f"{'/'.join(map(str, shape))} B={batch} M={seq_len}"
+        rows.append({"case": label, "splits": splits, "blocks": blocks, "graph_us": graph_us, "span_us": span,
+                     "stages_us": stages, "sm_ghz": statistics.median(r[2] for r in runs)})
+        print(f"| {label} | {splits} | {blocks} | {graph_us:.1f} | {span:.1f} | "
+              + " | ".join(f"{stages[n]:.2f}" for n in STAGES) + " |", flush=True)
+        del case
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
