@@ -285,7 +285,7 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
 }
 
 #ifdef FLASHDECODE_TIMELINE
-at::Tensor read_timeline(bool reset) {
+at::Tensor timeline_stamps(bool reset) {
   at::Tensor out = at::empty({kTimelineBlocks, kTimelineStamps}, at::TensorOptions().dtype(at::kLong));
   const cudaError_t err = flashdecode::read_timeline(out.data_ptr<int64_t>(), reset);
   TORCH_CHECK(err == cudaSuccess, "read_timeline failed: ", cudaGetErrorString(err));
@@ -310,7 +310,7 @@ TORCH_LIBRARY(flashdecode, m) {
       "rope_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor slot_mapping, int num_q_heads) -> ()");
 #ifdef FLASHDECODE_TIMELINE
-  m.def("read_timeline(bool reset) -> Tensor", &flashdecode::read_timeline);
+  m.def("read_timeline(bool reset) -> Tensor", &flashdecode::timeline_stamps);
 #endif
 }
 
