@@ -3,7 +3,8 @@
 Builds the diagnostic variant of the extension (``-DFLASHDECODE_TIMELINE``), whose split kernel
 records, per block, the SM clock at each stage of its chain: entry, past the PDL wait, sequence
 length loaded, block-table slice loaded (producer), first tile arrived (consumer), main loop
-done, rows stored, exit. For each case it makes the L2 cold (a 256 MB write), runs one call of
+done (consumer warp 0), the epilogue's two block barriers, rows stored, and with a cluster merge
+its first barrier and the merge itself; then exit. For each case it makes the L2 cold (a 256 MB write), runs one call of
 the default launch plan, and prints the median over blocks of each stage's time since the block
 began, beside the call's time under CUDA-graph replay (bench.py's method, same build) and the
 span from the first block's entry to the last block's exit. What is left of the graph time
@@ -19,8 +20,9 @@ import torch
 from . import bench, build, ops
 from .paging import DEFAULT_BLOCK_SIZE
 
-STAGES = ("waited", "length", "table", "first_tile", "loop_done", "stored", "exit")
-ENTRY, EXIT, ENTRY_NS, EXIT_NS = 0, 7, 8, 9
+STAGES = ("waited", "length", "table", "first_tile", "loop_done", "synced", "reduced", "stored", "cluster_synced",
+          "merged", "exit")
+ENTRY, EXIT, ENTRY_NS, EXIT_NS = 0, 11, 12, 13
 CASES = (((9, 3, 64), 1, 512), ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 32768), ((9, 3, 64), 8, 4096),
          ((9, 3, 64), 64, 512), ((32, 8, 128), 1, 4096), ((32, 8, 128), 8, 512), ((32, 8, 128), 8, 4096))
 
@@ -37,7 +39,7 @@ def one_call(call, blocks, flush):
     stages = {}
     for i, name in enumerate(STAGES, start=1):
         done = [(s[i] - s[ENTRY]) / ghz / 1e3 for s in ran if s[i]]
-        stages[name] = statistics.median(done) if done else None
+        stages[name] = statistics.median(done) if done else float("nan")
     span_us = (max(s[EXIT_NS] for s in ran) - min(s[ENTRY_NS] for s in ran)) / 1e3
     return stages, span_us, ghz
 
@@ -62,7 +64,7 @@ def main(argv=None):
         calls = case.ours()
         graph_us = bench.time_per_call_us(calls)
         runs = [one_call(calls[i % len(calls)], blocks, flush) for i in range(args.repeats)]
-        stages = {n: statistics.median(r[0][n] for r in runs if r[0][n] is not None) for n in STAGES}
+        stages = {n: statistics.median(r[0][n] for r in runs) for n in STAGES}
         span = statistics.median(r[1] for r in runs)
         label = f"{'/'.join(map(str, shape))} B={batch} M={seq_len}"
         rows.append({"case": label, "splits": splits, "blocks": blocks, "graph_us": graph_us, "span_us": span,

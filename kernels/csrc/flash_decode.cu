@@ -58,7 +58,10 @@ struct Shape {
 // ---- PTX wrappers ---------------------------------------------------------------------------
 
 // Timeline stamps (diagnostic build only): the SM clock when ``dep`` (a loaded value) is ready.
-enum Stamp { kEntry, kWaited, kLength, kTable, kFirstTile, kLoopDone, kStored, kExit, kEntryNs, kExitNs };
+enum Stamp {
+  kEntry, kWaited, kLength, kTable, kFirstTile, kLoopDone, kSynced, kReduced, kStored, kClusterSynced, kMerged, kExit,
+  kEntryNs, kExitNs
+};
 #ifdef FLASHDECODE_TIMELINE
 __device__ long long g_timeline[kTimelineBlocks][kTimelineStamps];
 __device__ __forceinline__ void stamp(Stamp which, uint32_t dep = 0) {
@@ -524,7 +527,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
   }
   l_lo = quad_sum(l_lo);
   l_hi = quad_sum(l_hi);
-  if (warp == 0 && lane == 0) stamp(kLoopDone, __float_as_uint(l_lo));
+  if (warp == 0 && lane == 0) stamp(kLoopDone, __float_as_uint(l_lo) ^ __float_as_uint(o[S::kGroups - 1][3][3]));
 }
 
 template <typename T, int D>
@@ -586,6 +589,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
       produce<T, D>(p, w, n_tiles, stages, full, empty);
     }
     __syncthreads();  // every consumer's state is in and every stage is drained
+    if (threadIdx.x == 0) stamp(kSynced);
 
     if (consumer) {  // rescale to the block's max and normalise, into o_smem[warp][row][:]
 #pragma unroll
@@ -610,6 +614,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
       }
     }
     __syncthreads();
+    if (threadIdx.x == 0) stamp(kReduced);
 
     constexpr int kCols = D / 4;
     for (int idx = threadIdx.x; idx < w.rows * kCols; idx += kThreads) {
@@ -648,7 +653,9 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
 
   if (cluster) {
     cluster_sync();  // every split's rows and LSEs are in its shared memory
+    if (threadIdx.x == 0) stamp(kClusterSynced);
     cluster_merge<T, D>(p, w, cluster_rows, row_lse);
+    if (threadIdx.x == 0) stamp(kMerged);
     cluster_sync();  // no block leaves while another still reads its shared memory
     if (threadIdx.x == 0) stamp(kExit);
     return;

@@ -68,7 +68,7 @@ cudaError_t launch_flash_decode(const DecodeParams& params, cudaStream_t stream)
 #ifdef FLASHDECODE_TIMELINE
 // Diagnostic build only (python -m kernels.timeline): per-block clock stamps of the last call.
 constexpr int kTimelineBlocks = 4096;
-constexpr int kTimelineStamps = 10;
+constexpr int kTimelineStamps = 14;
 cudaError_t read_timeline(int64_t* host, bool reset);
 #endif
 cudaError_t launch_write_kv(const WriteKvParams& params, cudaStream_t stream);
