@@ -43,16 +43,20 @@ struct Shape {
   static constexpr int kConsumerWarps = kTile / kWarpTokens;
   static constexpr int kProducerWarp = kConsumerWarps;
   static constexpr int kThreads = (kConsumerWarps + 1) * 32;
+  // Two blocks per SM; __launch_bounds__(kThreads, 2) let ptxas use only 96 at D=64, and spill.
+  static constexpr int kMaxRegs = D == 64 ? 104 : 200;
+  static_assert(2 * kThreads * kMaxRegs <= 65536, "two blocks per SM");
   static_assert(2 * kTile * D * 2 == kStageBytes, "a tile of K and V fills one stage");
   static constexpr int kSmemBytes = kStages * kStageBytes;
-  static constexpr int kSpreadSmemBytes = 128 * 1024;              // over half an SM's 228 KB
+  static constexpr int kSpreadSmemBytes = 160 * 1024;              // over half an SM's 228 KB
   static constexpr int kGroups = D / 32;                         // 16-byte loads per row per thread
-  static constexpr int kOStride = D + 4;                         // padded fp32 row, epilogue
+  static constexpr int kOStride = D + 2;                         // padded fp32 row: float2 writes conflict-free
   static_assert(kConsumerWarps * kRows * kOStride * 4 <= kSmemBytes, "epilogue does not fit");
   static_assert(kRows * kMaxSplits * 4 + kThreads * 16 <= kSmemBytes, "merge does not fit");
-  static constexpr int kClusterOut = 64 * 1024;                  // the block's merged rows, fp32
-  static_assert(kConsumerWarps * kRows * kOStride * 4 <= kClusterOut, "epilogue overlaps the cluster rows");
-  static_assert(kClusterOut + kRows * D * 4 <= kSmemBytes, "cluster rows do not fit");
+  // A cluster's leader receives every split's LSEs and rows past the stages (spread blocks only).
+  static constexpr int kRecvLse = kSmemBytes;
+  static constexpr int kRecvRows = kRecvLse + kMaxClusterSplits * kRows * 4;
+  static constexpr int kRecvRowBytes = kSpreadSmemBytes - kRecvRows;
 };
 
 // ---- PTX wrappers ---------------------------------------------------------------------------
@@ -120,22 +124,21 @@ __device__ __forceinline__ uint32_t cluster_addr(const void* p, uint32_t rank) {
   return addr;
 }
 
-__device__ __forceinline__ float cluster_load(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-  return v;
+__device__ __forceinline__ void cluster_store(uint32_t addr, float v) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
 
-__device__ __forceinline__ float2 cluster_load2(uint32_t addr) {
-  float2 v;
-  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
-  return v;
+__device__ __forceinline__ void cluster_store2(uint32_t addr, float2 v) {
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
 }
 
-// Every thread of every block of the cluster; shared-memory writes before it are visible after it.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+// Every thread of every block of the cluster arrives; writes before arriving (to any block's
+// shared memory) are visible to the threads that wait.
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
+
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
@@ -333,37 +336,27 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeParams
   merge_rows<T, D>(p, blockIdx.y, blockIdx.x, 1, smem);
 }
 
-// Output rows of a cluster's (sequence, head group) from the rows and LSEs its blocks left in
-// their shared memory (block = split = cluster rank). One round trip: every split's LSE and row
-// slice are loaded together, and an empty split (lse = -inf) is skipped, never multiplied.
+// The cluster's leader (split 0) writes the output rows of its (sequence, head group) from the
+// LSEs and normalised rows every split pushed into its shared memory; an empty split (lse = -inf)
+// is skipped, never multiplied.
 template <typename T, int D>
-__device__ void cluster_merge(const DecodeParams& p, const Work& w, const float* rows_smem, const float* lse_smem) {
-  constexpr int kCols = D / 2;
+__device__ void cluster_merge(const DecodeParams& p, const Work& w, const float* recv_lse, const float* recv_rows) {
+  constexpr int kPairs = D / 2;
   const int splits = gridDim.x;
-  const int items = w.rows * kCols;
-  for (int item = blockIdx.x + splits * threadIdx.x; item < items; item += splits * blockDim.x) {
-    const int row = item / kCols, col = item % kCols;
-    float lse[kMaxClusterSplits];
-    float2 part[kMaxClusterSplits];
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s) {
-      if (s < splits) {
-        lse[s] = cluster_load(cluster_addr(lse_smem + row, s));
-        part[s] = cluster_load2(cluster_addr(rows_smem + row * D + 2 * col, s));
-      }
-    }
+  for (int item = threadIdx.x; item < w.rows * kPairs; item += blockDim.x) {
+    const int row = item / kPairs, col = item % kPairs;
     float mx = kNegInf;
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s)
-      if (s < splits) mx = fmaxf(mx, lse[s]);
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, recv_lse[s * kRows + row]);
     float sum = 0.f, x = 0.f, y = 0.f;
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s) {
-      if (s < splits && lse[s] != kNegInf) {
-        const float wgt = __expf(lse[s] - mx);
+#pragma unroll 4
+    for (int s = 0; s < splits; ++s) {
+      const float lse = recv_lse[s * kRows + row];
+      if (lse != kNegInf) {
+        const float wgt = __expf(lse - mx);
+        const float2 part = *reinterpret_cast<const float2*>(recv_rows + (s * w.rows + row) * D + 2 * col);
         sum += wgt;
-        x += wgt * part[s].x;
-        y += wgt * part[s].y;
+        x += wgt * part.x;
+        y += wgt * part.y;
       }
     }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
@@ -531,7 +524,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(Shape<D>::kThreads) __maxnreg__(Shape<D>::kMaxRegs) split_kernel(const DecodeParams p) {
   using S = Shape<D>;
   constexpr int kTile = S::kTile, kConsumerWarps = S::kConsumerWarps, kThreads = S::kThreads;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -557,7 +550,8 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   if (threadIdx.x == 0) stamp(kLength, w.len);
   T* stages = reinterpret_cast<T*>(smem);
   float* o_smem = reinterpret_cast<float*>(smem);
-  float* cluster_rows = reinterpret_cast<float*>(smem + S::kClusterOut);
+  float* recv_lse = reinterpret_cast<float*>(smem + S::kRecvLse);
+  float* recv_rows = reinterpret_cast<float*>(smem + S::kRecvRows);
 
   if (threadIdx.x == 0) {  // while the sequence length is in flight
     for (int s = 0; s < kStages; ++s) {
@@ -616,47 +610,54 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
     __syncthreads();
     if (threadIdx.x == 0) stamp(kReduced);
 
-    constexpr int kCols = D / 4;
-    for (int idx = threadIdx.x; idx < w.rows * kCols; idx += kThreads) {
-      const int row = idx / kCols, col = idx % kCols;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    constexpr int kPairs = D / 2;
+    for (int idx = threadIdx.x; idx < w.rows * kPairs; idx += kThreads) {
+      const int row = idx / kPairs, col = idx % kPairs;
+      float2 acc = make_float2(0.f, 0.f);
 #pragma unroll
       for (int k = 0; k < kConsumerWarps; ++k) {
-        const float4 x = *reinterpret_cast<const float4*>(o_smem + (k * kRows + row) * S::kOStride + 4 * col);
+        const float2 x = *reinterpret_cast<const float2*>(o_smem + (k * kRows + row) * S::kOStride + 2 * col);
         acc.x += x.x;
         acc.y += x.y;
-        acc.z += x.z;
-        acc.w += x.w;
       }
       const int64_t head = w.q_head0 + row;
       if (splits == 1) {
-        store4(static_cast<T*>(p.out) + ((int64_t)w.b * hq + head) * D + 4 * col, acc);
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + ((int64_t)w.b * hq + head) * D + 2 * col) =
+            Elem<T>::pack(acc.x, acc.y);
       } else if (cluster) {
-        *reinterpret_cast<float4*>(cluster_rows + row * D + 4 * col) = acc;
+        cluster_store2(cluster_addr(recv_rows + (blockIdx.x * w.rows + row) * D + 2 * col, 0), acc);
       } else {
-        *reinterpret_cast<float4*>(p.partial_out + (((int64_t)w.b * splits + blockIdx.x) * hq + head) * D +
-                                   4 * col) = acc;
+        *reinterpret_cast<float2*>(p.partial_out + (((int64_t)w.b * splits + blockIdx.x) * hq + head) * D +
+                                   2 * col) = acc;
       }
     }
-    if (splits > 1 && !cluster && threadIdx.x < w.rows)
-      p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = row_lse[threadIdx.x];
+    if (splits > 1 && threadIdx.x < w.rows) {
+      if (cluster)
+        cluster_store(cluster_addr(recv_lse + blockIdx.x * kRows + threadIdx.x, 0), row_lse[threadIdx.x]);
+      else
+        p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = row_lse[threadIdx.x];
+    }
   } else if (splits == 1) {  // only for an (invalid) length of 0: write zeros, never NaN
     uint16_t* out = static_cast<uint16_t*>(p.out) + ((int64_t)w.b * hq + w.q_head0) * D;
     for (int idx = threadIdx.x; idx < w.rows * D; idx += kThreads) out[idx] = 0;
   } else if (cluster) {  // an empty split contributes lse = -inf and no output
-    if (threadIdx.x < w.rows) row_lse[threadIdx.x] = kNegInf;
+    if (threadIdx.x < w.rows) cluster_store(cluster_addr(recv_lse + blockIdx.x * kRows + threadIdx.x, 0), kNegInf);
   } else if (threadIdx.x < w.rows) {
     p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = kNegInf;
   }
   if (late_trigger) pdl_trigger();
   if (threadIdx.x == 0) stamp(kStored);
 
-  if (cluster) {
-    cluster_sync();  // every split's rows and LSEs are in its shared memory
+  if (cluster) {  // the leader waits for every split's push; nobody reads the others' memory
+    cluster_arrive();
+    if (blockIdx.x != 0) {
+      if (threadIdx.x == 0) stamp(kExit);
+      return;
+    }
+    cluster_wait();
     if (threadIdx.x == 0) stamp(kClusterSynced);
-    cluster_merge<T, D>(p, w, cluster_rows, row_lse);
+    cluster_merge<T, D>(p, w, recv_lse, recv_rows);
     if (threadIdx.x == 0) stamp(kMerged);
-    cluster_sync();  // no block leaves while another still reads its shared memory
     if (threadIdx.x == 0) stamp(kExit);
     return;
   }
@@ -692,12 +693,12 @@ int sm_count() {
 }
 
 template <typename T, int D>
-bool cluster_fits(int splits, int smem_bytes) {
+bool cluster_fits(int splits) {
   using S = Shape<D>;
-  static int8_t known[64][2][kMaxClusterSplits + 1];  // 0 unknown, 1 fits, -1 does not
+  static int8_t known[64][kMaxClusterSplits + 1];  // 0 unknown, 1 fits, -1 does not
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return false;
-  int8_t& slot = known[device][smem_bytes == S::kSmemBytes ? 0 : 1][splits];
+  int8_t& slot = known[device][splits];
   int8_t k = __atomic_load_n(&slot, __ATOMIC_ACQUIRE);
   if (k != 0) return k > 0;
   bool fits = splits <= 8 || cudaFuncSetAttribute(split_kernel<T, D>, cudaFuncAttributeNonPortableClusterSizeAllowed,
@@ -706,7 +707,7 @@ bool cluster_fits(int splits, int smem_bytes) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(splits, 1, 1);
     config.blockDim = dim3(S::kThreads);
-    config.dynamicSmemBytes = smem_bytes;
+    config.dynamicSmemBytes = S::kSpreadSmemBytes;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = splits;
@@ -771,14 +772,17 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
     const bool small_clusters = p.num_splits == 2 || 2 * blocks <= sms;
     p.merge_mode = p.num_splits > 1 && p.spread && small_clusters ? kMergeClusterPdl : kMergePdlLate;
   }
-  const int smem = p.spread && blocks <= sms ? S::kSpreadSmemBytes : S::kSmemBytes;
+  // A cluster's leader receives the splits' rows past the stages: cluster blocks are spread.
   const bool cluster_mode = p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl;
+  const int rows = group < kRows ? group : kRows;
   const bool cluster = cluster_mode && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
-                       cluster_fits<T, D>(p.num_splits, smem);
+                       p.num_splits * rows * D * 4 <= S::kRecvRowBytes && cluster_fits<T, D>(p.num_splits);
+  const int smem = cluster || (p.spread && blocks <= sms) ? S::kSpreadSmemBytes : S::kSmemBytes;
   if (cluster_mode && !cluster && p.num_splits > 1)  // too many splits for one cluster: merge by kernel
     p.merge_mode = p.merge_mode == kMergeCluster ? kMergeKernelPdl : kMergePdlLate;
-  // A plain launch by default: made resident early (PDL) while its predecessor still held SMs,
-  // this grid's 1-2 blocks per SM landed unevenly (measured: 32/8/128 B=8 M=32768 244 -> 307 us).
+  // Made resident early (PDL) while its predecessor still held SMs, a grid of 1-2 blocks per SM
+  // landed unevenly unless spread (measured: 32/8/128 B=8 M=32768 244 -> 307 us): modes 0-2 and 5
+  // launch it plainly.
   const bool pdl = p.merge_mode == kMergePdlChain || p.merge_mode == kMergePdlLate || p.merge_mode == kMergeClusterPdl;
   err = launch_split<T, D>(p, grid, smem, cluster, pdl, stream);
   if (err != cudaSuccess || p.num_splits == 1 || cluster || p.merge_mode == kMergeLastBlock) return err;
