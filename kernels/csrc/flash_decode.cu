@@ -43,14 +43,11 @@ struct Shape {
   static constexpr int kConsumerWarps = kTile / kWarpTokens;
   static constexpr int kProducerWarp = kConsumerWarps;
   static constexpr int kThreads = (kConsumerWarps + 1) * 32;
-  // Two blocks per SM; __launch_bounds__(kThreads, 2) let ptxas use only 96 at D=64, and spill.
-  static constexpr int kMaxRegs = D == 64 ? 104 : 200;
-  static_assert(2 * kThreads * kMaxRegs <= 65536, "two blocks per SM");
   static_assert(2 * kTile * D * 2 == kStageBytes, "a tile of K and V fills one stage");
   static constexpr int kSmemBytes = kStages * kStageBytes;
   static constexpr int kSpreadSmemBytes = 160 * 1024;              // over half an SM's 228 KB
   static constexpr int kGroups = D / 32;                         // 16-byte loads per row per thread
-  static constexpr int kOStride = D + 2;                         // padded fp32 row: float2 writes conflict-free
+  static constexpr int kOStride = D + 4;                         // padded fp32 row, epilogue
   static_assert(kConsumerWarps * kRows * kOStride * 4 <= kSmemBytes, "epilogue does not fit");
   static_assert(kRows * kMaxSplits * 4 + kThreads * 16 <= kSmemBytes, "merge does not fit");
   // A cluster's leader receives every split's LSEs and rows past the stages (spread blocks only).
@@ -128,8 +125,9 @@ __device__ __forceinline__ void cluster_store(uint32_t addr, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
 
-__device__ __forceinline__ void cluster_store2(uint32_t addr, float2 v) {
-  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
+__device__ __forceinline__ void cluster_store4(uint32_t addr, float4 v) {
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
 }
 
 // Every thread of every block of the cluster arrives; writes before arriving (to any block's
@@ -341,27 +339,30 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeParams
 // is skipped, never multiplied.
 template <typename T, int D>
 __device__ void cluster_merge(const DecodeParams& p, const Work& w, const float* recv_lse, const float* recv_rows) {
-  constexpr int kPairs = D / 2;
+  constexpr int kCols = D / 4;
   const int splits = gridDim.x;
-  for (int item = threadIdx.x; item < w.rows * kPairs; item += blockDim.x) {
-    const int row = item / kPairs, col = item % kPairs;
+  for (int item = threadIdx.x; item < w.rows * kCols; item += blockDim.x) {
+    const int row = item / kCols, col = item % kCols;
     float mx = kNegInf;
     for (int s = 0; s < splits; ++s) mx = fmaxf(mx, recv_lse[s * kRows + row]);
-    float sum = 0.f, x = 0.f, y = 0.f;
+    float sum = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
     for (int s = 0; s < splits; ++s) {
       const float lse = recv_lse[s * kRows + row];
       if (lse != kNegInf) {
         const float wgt = __expf(lse - mx);
-        const float2 part = *reinterpret_cast<const float2*>(recv_rows + (s * w.rows + row) * D + 2 * col);
+        const float4 part = *reinterpret_cast<const float4*>(recv_rows + (s * w.rows + row) * D + 4 * col);
         sum += wgt;
-        x += wgt * part.x;
-        y += wgt * part.y;
+        acc.x += wgt * part.x;
+        acc.y += wgt * part.y;
+        acc.z += wgt * part.z;
+        acc.w += wgt * part.w;
       }
     }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + ((int64_t)w.b * p.num_q_heads + w.q_head0 + row) * D +
-                                 2 * col) = Elem<T>::pack(x * inv, y * inv);
+    store4(static_cast<T*>(p.out) + ((int64_t)w.b * p.num_q_heads + w.q_head0 + row) * D + 4 * col,
+           make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
   }
 }
 
@@ -524,7 +525,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(Shape<D>::kThreads) __maxnreg__(Shape<D>::kMaxRegs) split_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const DecodeParams p) {
   using S = Shape<D>;
   constexpr int kTile = S::kTile, kConsumerWarps = S::kConsumerWarps, kThreads = S::kThreads;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -588,6 +589,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads) __maxnreg__(Shape<D>::kMax
     if (consumer) {  // rescale to the block's max and normalise, into o_smem[warp][row][:]
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
+        if (half == 1 && w.rows <= 8) break;  // rows r + 8 are padding
         const int row = r + 8 * half;
         float mx = kNegInf;
 #pragma unroll
@@ -596,7 +598,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads) __maxnreg__(Shape<D>::kMax
         float total = 0.f;
 #pragma unroll
         for (int k = 0; k < kConsumerWarps; ++k) total += warp_sum[k][row] * exp2_approx(warp_max[k][row] - base);
-        const float factor = total > 0.f ? exp2_approx((half ? m_hi : m_lo) - base) / total : 0.f;
+        const float factor = total > 0.f ? __fdividef(exp2_approx((half ? m_hi : m_lo) - base), total) : 0.f;
         if (warp == 0 && qd == 0) row_lse[row] = total > 0.f ? (base + __log2f(total)) * kLn2 : kNegInf;
         float* dst = o_smem + (warp * kRows + row) * S::kOStride + 8 * qd;
 #pragma unroll
@@ -610,25 +612,26 @@ __global__ void __launch_bounds__(Shape<D>::kThreads) __maxnreg__(Shape<D>::kMax
     __syncthreads();
     if (threadIdx.x == 0) stamp(kReduced);
 
-    constexpr int kPairs = D / 2;
-    for (int idx = threadIdx.x; idx < w.rows * kPairs; idx += kThreads) {
-      const int row = idx / kPairs, col = idx % kPairs;
-      float2 acc = make_float2(0.f, 0.f);
+    constexpr int kCols = D / 4;
+    for (int idx = threadIdx.x; idx < w.rows * kCols; idx += kThreads) {
+      const int row = idx / kCols, col = idx % kCols;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int k = 0; k < kConsumerWarps; ++k) {
-        const float2 x = *reinterpret_cast<const float2*>(o_smem + (k * kRows + row) * S::kOStride + 2 * col);
+        const float4 x = *reinterpret_cast<const float4*>(o_smem + (k * kRows + row) * S::kOStride + 4 * col);
         acc.x += x.x;
         acc.y += x.y;
+        acc.z += x.z;
+        acc.w += x.w;
       }
       const int64_t head = w.q_head0 + row;
       if (splits == 1) {
-        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + ((int64_t)w.b * hq + head) * D + 2 * col) =
-            Elem<T>::pack(acc.x, acc.y);
+        store4(static_cast<T*>(p.out) + ((int64_t)w.b * hq + head) * D + 4 * col, acc);
       } else if (cluster) {
-        cluster_store2(cluster_addr(recv_rows + (blockIdx.x * w.rows + row) * D + 2 * col, 0), acc);
+        cluster_store4(cluster_addr(recv_rows + (blockIdx.x * w.rows + row) * D + 4 * col, 0), acc);
       } else {
-        *reinterpret_cast<float2*>(p.partial_out + (((int64_t)w.b * splits + blockIdx.x) * hq + head) * D +
-                                   2 * col) = acc;
+        *reinterpret_cast<float4*>(p.partial_out + (((int64_t)w.b * splits + blockIdx.x) * hq + head) * D +
+                                   4 * col) = acc;
       }
     }
     if (splits > 1 && threadIdx.x < w.rows) {
