@@ -422,8 +422,9 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
 }
 
 // One consumer warp's pass over the split: online softmax state (m, l) per query-head row
-// (this thread's rows r and r + 8) and the output fragments o, unnormalised.
-template <typename T, int D>
+// (this thread's rows r and r + 8) and the output fragments o, unnormalised. Without kHi the
+// block serves at most eight query heads: rows r + 8 are padding and get no softmax work.
+template <typename T, int D, bool kHi>
 __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, int n_tiles, const T* stages,
                                         uint64_t* full, uint64_t* empty, float (&o)[D / 32][4][4], float& m_lo,
                                         float& m_hi, float& l_lo, float& l_hi) {
@@ -438,8 +439,9 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
   for (int j = 0; j < S::kGroups; ++j) {
     const int col = 32 * j + 8 * qd;
     q_lo[j] = r < w.rows ? __ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r) * p.q_stride_h + col)) : zero;
-    q_hi[j] = r + 8 < w.rows ? __ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r + 8) * p.q_stride_h + col))
-                             : zero;
+    q_hi[j] = kHi && r + 8 < w.rows
+                  ? __ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r + 8) * p.q_stride_h + col))
+                  : zero;
   }
   const float scale_log2 = p.scale * kLog2e;
 
@@ -491,31 +493,42 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
       }
     }
     const float new_lo = fmaxf(m_lo, quad_max(fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]))));
-    const float new_hi = fmaxf(m_hi, quad_max(fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]))));
     const float base_lo = new_lo == kNegInf ? 0.f : new_lo;
-    const float base_hi = new_hi == kNegInf ? 0.f : new_hi;
-    const float alpha_lo = exp2_approx(m_lo - base_lo), alpha_hi = exp2_approx(m_hi - base_hi);
+    const float alpha_lo = exp2_approx(m_lo - base_lo);
     m_lo = new_lo;
-    m_hi = new_hi;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       s[h][0] = exp2_approx(s[h][0] - base_lo);
       s[h][1] = exp2_approx(s[h][1] - base_lo);
-      s[h][2] = exp2_approx(s[h][2] - base_hi);
-      s[h][3] = exp2_approx(s[h][3] - base_hi);
     }
     l_lo = l_lo * alpha_lo + (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]);
-    l_hi = l_hi * alpha_hi + (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]);
-    const uint32_t p0 = Elem<T>::pack(s[0][0], s[0][1]), p1 = Elem<T>::pack(s[0][2], s[0][3]);
-    const uint32_t p2 = Elem<T>::pack(s[1][0], s[1][1]), p3 = Elem<T>::pack(s[1][2], s[1][3]);
+    float alpha_hi = 1.f;
+    uint32_t p1 = 0, p3 = 0;
+    if constexpr (kHi) {
+      const float new_hi = fmaxf(m_hi, quad_max(fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]))));
+      const float base_hi = new_hi == kNegInf ? 0.f : new_hi;
+      alpha_hi = exp2_approx(m_hi - base_hi);
+      m_hi = new_hi;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        s[h][2] = exp2_approx(s[h][2] - base_hi);
+        s[h][3] = exp2_approx(s[h][3] - base_hi);
+      }
+      l_hi = l_hi * alpha_hi + (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]);
+      p1 = Elem<T>::pack(s[0][2], s[0][3]);
+      p3 = Elem<T>::pack(s[1][2], s[1][3]);
+    }
+    const uint32_t p0 = Elem<T>::pack(s[0][0], s[0][1]), p2 = Elem<T>::pack(s[1][0], s[1][1]);
 #pragma unroll
     for (int j = 0; j < S::kGroups; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         o[j][c][0] *= alpha_lo;
         o[j][c][1] *= alpha_lo;
-        o[j][c][2] *= alpha_hi;
-        o[j][c][3] *= alpha_hi;
+        if constexpr (kHi) {
+          o[j][c][2] *= alpha_hi;
+          o[j][c][3] *= alpha_hi;
+        }
         Elem<T>::mma(o[j][c], p0, p1, p2, p3, transpose8x8(word(v[0][j], c)), transpose8x8(word(v[1][j], c)));
       }
   }
@@ -573,7 +586,10 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
       for (int c = 0; c < 4; ++c) o[j][c][0] = o[j][c][1] = o[j][c][2] = o[j][c][3] = 0.f;
     float m_lo = kNegInf, m_hi = kNegInf, l_lo = 0.f, l_hi = 0.f;
     if (consumer) {
-      consume<T, D>(p, w, n_tiles, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+      if (w.rows > 8)
+        consume<T, D, true>(p, w, n_tiles, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+      else
+        consume<T, D, false>(p, w, n_tiles, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
       if (qd == 0) {
         warp_max[warp][r] = m_lo;
         warp_max[warp][r + 8] = m_hi;
