@@ -6,7 +6,10 @@
 // into a ring of shared-memory stages guarded by mbarriers. Each consumer warp owns 16 tokens of a
 // tile: S = Q K^T and O += P V on the tensor cores (m16n8k16, fp32 accumulation) with an online
 // softmax per warp; the warps' states are combined at the end of the split. With more than one
-// split, the partials go to the workspace and a merge (a second kernel by default) combines them.
+// split the partials are merged exactly, by one of the launch plans of flash_decode.h: the
+// default (kMergeAuto, launch_typed) has the splits of a (sequence, head group) form a cluster
+// and push their rows into the leader's shared memory where that pays, and otherwise writes them
+// to the workspace for a small merge kernel.
 //
 // Fragment trick: reading K and V rows with one 16-byte load per thread avoids ldmatrix bank
 // conflicts on the unpadded tiles. The head dimension is the reduction of S = Q K^T, so K's
