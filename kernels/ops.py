@@ -27,6 +27,8 @@ MERGE_PDL_LATE = 4      # as MERGE_PDL_CHAIN, the next grid let in only after th
 MERGE_CLUSTER = 5       # a cluster per (sequence, head group) merges in shared memory (<= 16 splits, else 2)
 MERGE_CLUSTER_PDL = 6   # as MERGE_CLUSTER, launched as a PDL dependent with the late trigger (else 4)
 MERGE_AUTO = 7          # chosen per grid by the launcher: 6 with spread where it fits, else 4
+                        # (it sets spread itself: the spread argument only matters for modes 0-6;
+                        # spread applies to grids of at most one block per SM)
 MERGE_MODES = tuple(range(8))
 DEFAULT_MERGE = MERGE_AUTO   # chosen by measurement, see NOTES.md
 

@@ -703,7 +703,6 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
 
 // ---- launchers ---------------------------------------------------------------------------------
 
-// Whether a cluster of ``splits`` split blocks fits on this device (cached per device and size).
 int sm_count() {
   static int known[64];
   int device = 0;
@@ -714,6 +713,7 @@ int sm_count() {
   return n;
 }
 
+// Whether a cluster of ``splits`` split blocks fits on this device (cached per device and size).
 template <typename T, int D>
 bool cluster_fits(int splits) {
   using S = Shape<D>;
