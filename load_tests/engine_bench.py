@@ -168,7 +168,7 @@ def main(argv=None):
     result = {"model": args.model, "device": str(device), "dtype": str(loaded.dtype),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "kv_pool_tokens": engine.runner.kv_tokens, "graph_buckets": sorted(engine.runner.graphs),
-              "capture_s": engine.runner.capture_seconds, "ours": rows}
+              "capture_s": engine.runner.capture_seconds, "merge_mode": args.merge_mode, "ours": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
