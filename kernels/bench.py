@@ -7,8 +7,10 @@ and PyTorch SDPA's cuDNN and flash backends on contiguous ``[B, Hkv, M, D]`` KV 
 replays, per call. Writes ``bench.json`` and ``bench.png`` under ``--out`` and prints a Markdown
 table plus the geometric means the targets name. ``--sweep`` also times other split counts,
 the merge modes and other block sizes (tuning data, in the JSON and a short table); ``--modes``
-times ours in other merge modes beside the default for every case; ``--max-kv-mb`` leaves out
-the larger cases.
+times ours in other merge modes beside the default for every case (``--spread-modes`` the same
+with one block per SM where the grid fits; ``--cluster-sweep`` the cluster merge at 2-16
+splits); ``--max-kv-mb`` leaves out the larger cases. It also times the launch floor: one and
+two trivial kernels per call, replayed the same way.
 """
 
 import argparse
