@@ -552,9 +552,9 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
 
   const int splits = gridDim.x, hq = p.num_q_heads;
   const bool cluster = splits > 1 && (p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl);
-  // Late trigger: the next grid (a PDL dependent) is let in once this call's KV reads are done.
-  // Early (default): the merge kernel gets its blocks resident now and they wait
-  // (griddepcontrol.wait) until this whole grid has finished and flushed.
+  // Late trigger: the next grid (a PDL dependent) is let in once every block has stored its rows.
+  // Early: the merge kernel gets its blocks resident now and they wait (griddepcontrol.wait)
+  // until this whole grid has finished and flushed.
   const bool late_trigger = cluster || p.merge_mode == kMergeClusterPdl || (p.merge_mode == kMergePdlLate && splits == 1);
   if (threadIdx.x == 0) stamp(kEntry);
   if (!late_trigger) pdl_trigger();
