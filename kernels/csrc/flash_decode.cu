@@ -424,6 +424,22 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   }
 }
 
+// Online softmax for one row of this thread's 16 tokens (its four scores, log2 domain): the
+// row's running max m and sum l move on, the scores become their exponentials, and the factor
+// that rescales what was accumulated before is returned.
+__device__ __forceinline__ float softmax_step(float& m, float& l, float& a, float& b, float& c, float& d) {
+  const float new_m = fmaxf(m, quad_max(fmaxf(fmaxf(a, b), fmaxf(c, d))));
+  const float base = new_m == kNegInf ? 0.f : new_m;
+  const float alpha = exp2_approx(m - base);
+  m = new_m;
+  a = exp2_approx(a - base);
+  b = exp2_approx(b - base);
+  c = exp2_approx(c - base);
+  d = exp2_approx(d - base);
+  l = l * alpha + (a + b) + (c + d);
+  return alpha;
+}
+
 // One consumer warp's pass over the split: online softmax state (m, l) per query-head row
 // (this thread's rows r and r + 8) and the output fragments o, unnormalised. Without kHi the
 // block serves at most eight query heads: rows r + 8 are padding and get no softmax work.
@@ -495,29 +511,11 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
           for (int j = 0; j < S::kGroups; ++j) v[h][j] = zero;
       }
     }
-    const float new_lo = fmaxf(m_lo, quad_max(fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]))));
-    const float base_lo = new_lo == kNegInf ? 0.f : new_lo;
-    const float alpha_lo = exp2_approx(m_lo - base_lo);
-    m_lo = new_lo;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      s[h][0] = exp2_approx(s[h][0] - base_lo);
-      s[h][1] = exp2_approx(s[h][1] - base_lo);
-    }
-    l_lo = l_lo * alpha_lo + (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]);
+    const float alpha_lo = softmax_step(m_lo, l_lo, s[0][0], s[0][1], s[1][0], s[1][1]);
     float alpha_hi = 1.f;
     uint32_t p1 = 0, p3 = 0;
     if constexpr (kHi) {
-      const float new_hi = fmaxf(m_hi, quad_max(fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]))));
-      const float base_hi = new_hi == kNegInf ? 0.f : new_hi;
-      alpha_hi = exp2_approx(m_hi - base_hi);
-      m_hi = new_hi;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        s[h][2] = exp2_approx(s[h][2] - base_hi);
-        s[h][3] = exp2_approx(s[h][3] - base_hi);
-      }
-      l_hi = l_hi * alpha_hi + (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]);
+      alpha_hi = softmax_step(m_hi, l_hi, s[0][2], s[0][3], s[1][2], s[1][3]);
       p1 = Elem<T>::pack(s[0][2], s[0][3]);
       p3 = Elem<T>::pack(s[1][2], s[1][3]);
     }

@@ -19,7 +19,8 @@ class Sequence:
         self.params = params
         self.seed = seed
         self.output_ids: list[int] = []
-        self.length = len(self.prompt_ids)        # prompt and output tokens
+        self.length = len(self.prompt_ids)        # prompt and output tokens, kept by append(): read
+                                                 # several times per token, a property cost 4x as much
         self.block_table: list[int] = []
         self.num_cached = 0                      # tokens whose K/V are in the cache
         self.pending = 0                         # tokens sampled on the device, not yet read back
