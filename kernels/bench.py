@@ -8,8 +8,8 @@ replays, per call. Writes ``bench.json`` and ``bench.png`` under ``--out`` and p
 table plus the geometric means the targets name. ``--sweep`` also times other split counts,
 the merge modes and other block sizes (tuning data, in the JSON and a short table); ``--modes``
 times ours in other merge modes beside the default for every case (``--spread-modes`` the same
-with one block per SM where the grid fits; ``--cluster-sweep`` the cluster merge at 2-16
-splits); ``--max-kv-mb`` leaves out the larger cases. It also times the launch floor: one and
+with one block per SM where the grid fits; ``--ring-stages`` other ring depths; ``--cluster-sweep``
+the cluster merge at 2-16 splits); ``--max-kv-mb`` leaves out the larger cases. It also times the launch floor: one and
 two trivial kernels per call, replayed the same way.
 """
 
@@ -99,17 +99,19 @@ class Case:
             self.paged[block_size] = self._pack(block_size)
         return self.paged[block_size]
 
-    def ours(self, block_size=None, num_splits=None, merge_mode=None, buffers=None, min_chunk=None, spread=False):
+    def ours(self, block_size=None, num_splits=None, merge_mode=None, buffers=None, min_chunk=None, spread=False,
+             ring_stages=0):
         ws = self.workspace if buffers is None else buffers
 
         def make(q, kc, vc, bt):
             if buffers is None:
                 return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=ws,
-                                                     num_splits=num_splits, merge_mode=merge_mode, spread=spread)
+                                                     num_splits=num_splits, merge_mode=merge_mode, spread=spread,
+                                                     ring_stages=ring_stages)
             return lambda: torch.ops.flashdecode.flash_decode(
                 q, kc, vc, bt, self.seq_lens, q.shape[-1] ** -0.5, num_splits, ws.partial_out, ws.partial_lse,
                 ws.merge_counters, ops.DEFAULT_MERGE if merge_mode is None else merge_mode,
-                planner.MIN_CHUNK if min_chunk is None else min_chunk, spread)
+                planner.MIN_CHUNK if min_chunk is None else min_chunk, spread, ring_stages)
         return [make(*s) for s in self.paged_sets(block_size or self.block_size)]
 
     def peer(self, backend):
@@ -234,6 +236,8 @@ def main(argv=None):
                         help="merge modes (kernels.ops.MERGE_*) to time beside the default for every case")
     parser.add_argument("--spread-modes", type=int, nargs="*", default=[],
                         help="merge modes to time with spread=True (one block per SM where the grid fits)")
+    parser.add_argument("--ring-stages", type=int, nargs="*", default=[],
+                        help="ring depths (K/V tiles in flight per block) to time beside the launcher's choice")
     parser.add_argument("--cluster-sweep", action="store_true",
                         help="also time the cluster merge (mode 6, spread) at 2, 4, 8 and 16 splits")
     parser.add_argument("--max-kv-mb", type=float, default=MAX_KV_BYTES / 1e6, help="skip cases with more KV")
@@ -250,6 +254,7 @@ def main(argv=None):
     variants = [(f"ours_mode{m}_us", f"mode {m}", {"merge_mode": m}) for m in args.modes]
     variants += [(f"ours_mode{m}_spread_us", f"mode {m} spread", {"merge_mode": m, "spread": True})
                  for m in args.spread_modes]
+    variants += [(f"ours_ring{n}_us", f"ring {n}", {"ring_stages": n}) for n in args.ring_stages]
     meta.update(launch_floor_us(device))
     print(f"launch floor: one trivial kernel {meta['one_kernel_us']:.2f} us per call, "
           f"two {meta['two_kernels_us']:.2f} us", flush=True)

@@ -18,6 +18,8 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_SPLITS = 256
 HEADS_PER_BLOCK = 16
+MAX_RING_STAGES = 6     # K/V tiles in flight per block; 0 lets the launcher choose (3, or 5 for a
+                        # block alone on its SM); more than 3 only applies to such blocks
 
 MERGE_LAST_BLOCK = 0    # the last split block of each (sequence, KV head) merges, in the same launch
 MERGE_KERNEL = 1        # a second small kernel
@@ -58,7 +60,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("flashdecode::flash_decode")
     def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits,
                            partial_out, partial_lse, merge_counters, merge_mode=7, min_chunk=256,
-                           spread=False):
+                           spread=False, ring_stages=0):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("flashdecode::write_kv")
@@ -157,7 +159,7 @@ def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_se
 
 
 def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None,
-                      merge_mode=None, min_chunk=None, spread=False):
+                      merge_mode=None, min_chunk=None, spread=False, ring_stages=0):
     """``kernels.flash_decode`` for CUDA tensors; see ``kernels/__init__.py`` for the contract."""
     batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
                                                                                seq_lens)
@@ -183,9 +185,12 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     if mode not in MERGE_MODES:
         raise ValueError(f"merge_mode must be one of {MERGE_MODES} (kernels.ops.MERGE_*), got {merge_mode}")
     chunk = planner.MIN_CHUNK if min_chunk is None else int(min_chunk)
+    if not 0 <= int(ring_stages) <= MAX_RING_STAGES:
+        raise ValueError(f"ring_stages must be in 0..{MAX_RING_STAGES} (0: the launcher's choice), got {ring_stages}")
     return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, splits,
                                               workspace.partial_out, workspace.partial_lse,
-                                              workspace.merge_counters, mode, chunk, bool(spread))
+                                              workspace.merge_counters, mode, chunk, bool(spread),
+                                              int(ring_stages))
 
 
 def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):

@@ -4,7 +4,9 @@ Builds the diagnostic variant of the extension (``-DFLASHDECODE_TIMELINE``), who
 records, per block, the SM clock at each stage of its chain: entry, past the PDL wait, sequence
 length loaded, block-table slice loaded (producer), first tile arrived (consumer), main loop
 done (consumer warp 0), the epilogue's two block barriers, rows stored, and with a cluster merge
-its first barrier and the merge itself; then exit. For each case it makes the L2 cold (a 256 MB write), runs one call of
+its first barrier and the merge itself; then exit. It also sums the time consumer warp 0 waited
+for data after its first tile and the time the producer waited for a free stage: a consumer that
+rarely waits is what sets the pace, not the memory. For each case it makes the L2 cold (a 256 MB write), runs one call of
 the default launch plan, and prints the median over blocks of each stage's time since the block
 began, beside the call's time under CUDA-graph replay (bench.py's method, same build) and the
 span from the first block's entry to the last block's exit. What is left of the graph time
@@ -22,7 +24,8 @@ from .paging import DEFAULT_BLOCK_SIZE
 
 STAGES = ("waited", "length", "table", "first_tile", "loop_done", "synced", "reduced", "stored", "cluster_synced",
           "merged", "exit")
-ENTRY, EXIT, ENTRY_NS, EXIT_NS = 0, 11, 12, 13
+ENTRY, EXIT, ENTRY_NS, EXIT_NS, CONSUMER_WAITS, PRODUCER_WAITS = 0, 11, 12, 13, 14, 15
+WAITS = ("consumer_wait", "producer_wait")
 CASES = (((9, 3, 64), 1, 512), ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 32768), ((9, 3, 64), 8, 4096),
          ((9, 3, 64), 64, 512), ((32, 8, 128), 1, 4096), ((32, 8, 128), 8, 512), ((32, 8, 128), 8, 4096))
 
@@ -40,6 +43,8 @@ def one_call(call, blocks, flush):
     for i, name in enumerate(STAGES, start=1):
         done = [(s[i] - s[ENTRY]) / ghz / 1e3 for s in ran if s[i]]
         stages[name] = statistics.median(done) if done else float("nan")
+    for i, name in zip((CONSUMER_WAITS, PRODUCER_WAITS), WAITS):
+        stages[name] = statistics.median(s[i] / ghz / 1e3 for s in ran)
     span_us = (max(s[EXIT_NS] for s in ran) - min(s[ENTRY_NS] for s in ran)) / 1e3
     return stages, span_us, ghz
 
@@ -48,6 +53,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ring-stages", type=int, default=0, help="ring depth to run (0: the launcher's choice)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     build.load_extension(timeline=True)
@@ -55,22 +61,22 @@ def main(argv=None):
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     rows = []
     print("us since the block began (median over blocks, median of repeats); graph = bench.py's per-call time")
-    print("| case | S | blocks | graph us | span us | " + " | ".join(STAGES) + " |")
-    print("|---" * (len(STAGES) + 5) + "|")
+    print("| case | S | blocks | graph us | span us | " + " | ".join(STAGES + WAITS) + " |")
+    print("|---" * (len(STAGES) + len(WAITS) + 5) + "|")
     for shape, batch, seq_len in CASES:
         case = bench.Case(shape, batch, seq_len, DEFAULT_BLOCK_SIZE, device)
         splits = case.workspace.num_splits(batch)
         blocks = min(splits * shape[1] * -(-(shape[0] // shape[1]) // ops.HEADS_PER_BLOCK) * batch, 4096)
-        calls = case.ours()
+        calls = case.ours(ring_stages=args.ring_stages)
         graph_us = bench.time_per_call_us(calls)
         runs = [one_call(calls[i % len(calls)], blocks, flush) for i in range(args.repeats)]
-        stages = {n: statistics.median(r[0][n] for r in runs) for n in STAGES}
+        stages = {n: statistics.median(r[0][n] for r in runs) for n in STAGES + WAITS}
         span = statistics.median(r[1] for r in runs)
         label = f"{'/'.join(map(str, shape))} B={batch} M={seq_len}"
         rows.append({"case": label, "splits": splits, "blocks": blocks, "graph_us": graph_us, "span_us": span,
                      "stages_us": stages, "sm_ghz": statistics.median(r[2] for r in runs)})
         print(f"| {label} | {splits} | {blocks} | {graph_us:.1f} | {span:.1f} | "
-              + " | ".join(f"{stages[n]:.2f}" for n in STAGES) + " |", flush=True)
+              + " | ".join(f"{stages[n]:.2f}" for n in STAGES + WAITS) + " |", flush=True)
         del case
     if args.out:
         with open(args.out, "w") as f:

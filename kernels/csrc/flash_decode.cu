@@ -32,7 +32,10 @@ namespace {
 constexpr int kWarpTokens = 16;                    // tokens per consumer warp per tile
 constexpr int kRows = kHeadsPerBlock;
 constexpr int kStageBytes = 32 * 1024;             // one tile of K and V
-constexpr int kStages = 3;                         // 96 KB: two blocks per SM (6 stages alone measured slower)
+constexpr int kStages = 3;                         // 96 KB: two blocks per SM
+constexpr int kSpreadRingStages = 5;               // what a spread block's layout holds before its receive area
+constexpr int kMaxStages = kMaxRingStages;         // a spread block without a cluster merge
+constexpr int kSpreadStages = 5;                   // the ring of a block alone on its SM, unless asked otherwise
 constexpr int kMergeThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -48,15 +51,17 @@ struct Shape {
   static constexpr int kThreads = (kConsumerWarps + 1) * 32;
   static_assert(2 * kTile * D * 2 == kStageBytes, "a tile of K and V fills one stage");
   static constexpr int kSmemBytes = kStages * kStageBytes;
-  static constexpr int kSpreadSmemBytes = 160 * 1024;              // over half an SM's 228 KB
   static constexpr int kGroups = D / 32;                         // 16-byte loads per row per thread
   static constexpr int kOStride = D + 4;                         // padded fp32 row, epilogue
   static_assert(kConsumerWarps * kRows * kOStride * 4 <= kSmemBytes, "epilogue does not fit");
   static_assert(kRows * kMaxSplits * 4 + kThreads * 16 <= kSmemBytes, "merge does not fit");
-  // A cluster's leader receives every split's LSEs and rows past the stages (spread blocks only).
-  static constexpr int kRecvLse = kSmemBytes;
+  // Spread blocks (one per SM) hold a deeper ring, and a cluster's leader receives every split's
+  // LSEs and rows past it.
+  static constexpr int kRecvLse = kSpreadRingStages * kStageBytes;
   static constexpr int kRecvRows = kRecvLse + kMaxClusterSplits * kRows * 4;
-  static constexpr int kRecvRowBytes = kSpreadSmemBytes - kRecvRows;
+  static constexpr int kRecvRowBytes = 64 * 1024;
+  static constexpr int kSpreadSmemBytes = kRecvRows + kRecvRowBytes;  // 225 KB of the SM's 228
+  static_assert(kMaxStages * kStageBytes <= kSpreadSmemBytes, "the deepest ring does not fit");
 };
 
 // ---- PTX wrappers ---------------------------------------------------------------------------
@@ -64,7 +69,8 @@ struct Shape {
 // Timeline stamps (diagnostic build only): the SM clock when ``dep`` (a loaded value) is ready.
 enum Stamp {
   kEntry, kWaited, kLength, kTable, kFirstTile, kLoopDone, kSynced, kReduced, kStored, kClusterSynced, kMerged, kExit,
-  kEntryNs, kExitNs
+  kEntryNs, kExitNs,
+  kConsumerWaits, kProducerWaits  // cycles consumer warp 0 spent waiting for data, the producer for free stages
 };
 #ifdef FLASHDECODE_TIMELINE
 __device__ long long g_timeline[kTimelineBlocks][kTimelineStamps];
@@ -78,8 +84,19 @@ __device__ __forceinline__ void stamp(Stamp which, uint32_t dep = 0) {
     if (block < kTimelineBlocks) g_timeline[block][which == kEntry ? kEntryNs : kExitNs] = t;
   }
 }
+__device__ __forceinline__ long long clock_now() {
+  long long t;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+  return t;
+}
+__device__ __forceinline__ void record(Stamp which, long long value) {
+  const int64_t block = blockIdx.x + (int64_t)gridDim.x * (blockIdx.y + (int64_t)gridDim.y * blockIdx.z);
+  if (block < kTimelineBlocks) g_timeline[block][which] = value;
+}
 #else
 __device__ __forceinline__ void stamp(Stamp, uint32_t = 0) {}
+__device__ __forceinline__ long long clock_now() { return 0; }
+__device__ __forceinline__ void record(Stamp, long long) {}
 #endif
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -140,6 +157,13 @@ __device__ __forceinline__ void cluster_arrive() {
 }
 
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+// The first phase of the cluster barrier only says that a block has started: no block writes to
+// another's shared memory before every block of the cluster is running.
+__device__ __forceinline__ void cluster_arrive_started() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_started() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
@@ -371,9 +395,19 @@ __device__ void cluster_merge(const DecodeParams& p, const Work& w, const float*
 
 // ---- the split kernel -------------------------------------------------------------------------
 
+// A tile's place in the ring of shared-memory stages: its stage, and how often the ring has wrapped
+// (the parity of the stage's barrier phase).
+struct RingSlot {
+  int stages, stage = 0, round = 0;
+  __device__ __forceinline__ explicit RingSlot(int n) : stages(n) {}
+  __device__ __forceinline__ void advance() {
+    if (++stage == stages) stage = 0, ++round;
+  }
+};
+
 template <typename T, int D>
-__device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, int n_tiles, T* stages,
-                                        uint64_t* full, uint64_t* empty) {
+__device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, int n_tiles, int ring, T* stages,
+                                        uint64_t* full, uint64_t* empty, const int (&first_ids)[2]) {
   using S = Shape<D>;
   constexpr int kTile = S::kTile;
   const int lane = threadIdx.x % 32;
@@ -388,15 +422,23 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
 
-  // Block ids of pages [base, base + 64), one per lane in cur and next; never past the last page.
+  // Block ids of pages [base, base + 64), one per lane in cur and next; never past the last page
+  // (split 0 has them already, and ids past its last page are never used).
   int base = w.start / bs;
   auto fetch = [&](int page) { return page < pages ? __ldg(table + page) : 0; };
-  int cur = fetch(base + lane), next = fetch(base + 32 + lane);
+  int cur = w.start == 0 ? first_ids[0] : fetch(base + lane);
+  int next = w.start == 0 ? first_ids[1] : fetch(base + 32 + lane);
   if (lane == 0) stamp(kTable, cur);
 
-  for (int i = 0; i < n_tiles; ++i) {
-    const int stage = i % kStages;
-    if (i >= kStages) mbar_wait(&empty[stage], ((i / kStages) - 1) & 1);
+  long long waited = 0;
+  RingSlot slot(ring);
+  for (int i = 0; i < n_tiles; ++i, slot.advance()) {
+    const int stage = slot.stage;
+    if (i >= ring) {
+      const long long t = clock_now();
+      mbar_wait(&empty[stage], (slot.round - 1) & 1);
+      waited += clock_now() - t;
+    }
     const int t0 = w.start + i * kTile;
     const int page0 = t0 / bs;
     if (page0 - base >= 32) {
@@ -422,6 +464,7 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
       bulk_load(k_dst + kTile * D, v_cache + src, bytes, &full[stage]);
     }
   }
+  if (lane == 0) record(kProducerWaits, waited);
 }
 
 // Online softmax for one row of this thread's 16 tokens (its four scores, log2 domain): the
@@ -444,7 +487,7 @@ __device__ __forceinline__ float softmax_step(float& m, float& l, float& a, floa
 // (this thread's rows r and r + 8) and the output fragments o, unnormalised. Without kHi the
 // block serves at most eight query heads: rows r + 8 are padding and get no softmax work.
 template <typename T, int D, bool kHi>
-__device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, int n_tiles, const T* stages,
+__device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, int n_tiles, int ring, const T* stages,
                                         uint64_t* full, uint64_t* empty, float (&o)[D / 32][4][4], float& m_lo,
                                         float& m_hi, float& l_lo, float& l_hi) {
   using S = Shape<D>;
@@ -464,10 +507,14 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
   }
   const float scale_log2 = p.scale * kLog2e;
 
-  for (int i = 0; i < n_tiles; ++i) {
-    const int stage = i % kStages;
+  long long waited = 0;
+  RingSlot slot(ring);
+  for (int i = 0; i < n_tiles; ++i, slot.advance()) {
+    const int stage = slot.stage;
     const int t_warp = w.start + i * kTile + warp * kWarpTokens;
-    mbar_wait(&full[stage], (i / kStages) & 1);
+    const long long t = clock_now();
+    mbar_wait(&full[stage], slot.round & 1);
+    if (i > 0) waited += clock_now() - t;
     if (i == 0 && warp == 0 && lane == 0) stamp(kFirstTile);
     const T* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * kWarpTokens * D;
     const T* v_tile = k_tile + kTile * D;
@@ -535,7 +582,10 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
   }
   l_lo = quad_sum(l_lo);
   l_hi = quad_sum(l_hi);
-  if (warp == 0 && lane == 0) stamp(kLoopDone, __float_as_uint(l_lo) ^ __float_as_uint(o[S::kGroups - 1][3][3]));
+  if (warp == 0 && lane == 0) {
+    stamp(kLoopDone, __float_as_uint(l_lo) ^ __float_as_uint(o[S::kGroups - 1][3][3]));
+    record(kConsumerWaits, waited);
+  }
 }
 
 template <typename T, int D>
@@ -543,7 +593,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   using S = Shape<D>;
   constexpr int kTile = S::kTile, kConsumerWarps = S::kConsumerWarps, kThreads = S::kThreads;
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ uint64_t full[kStages], empty[kStages];
+  __shared__ uint64_t full[kMaxStages], empty[kMaxStages];
   __shared__ float warp_max[kConsumerWarps][kRows], warp_sum[kConsumerWarps][kRows];
   __shared__ float row_lse[kRows];
   __shared__ int is_last;
@@ -555,12 +605,21 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   // until this whole grid has finished and flushed.
   const bool late_trigger = cluster || p.merge_mode == kMergeClusterPdl || (p.merge_mode == kMergePdlLate && splits == 1);
   if (threadIdx.x == 0) stamp(kEntry);
+  if (cluster) cluster_arrive_started();
   if (!late_trigger) pdl_trigger();
   pdl_wait();  // a no-op unless this grid was launched as a PDL dependent
   if (threadIdx.x == 0) stamp(kWaited);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, qd = lane % 4;
   const bool consumer = warp != S::kProducerWarp;
+  // Split 0 starts at token 0 whatever the sequence's length: its producer asks for the first 64
+  // block ids in the same round trip as the length.
+  int first_ids[2] = {0, 0};
+  if (!consumer && blockIdx.x == 0 && p.max_blocks > 0) {
+    const int32_t* row = p.block_table + (int64_t)blockIdx.z * p.block_table_stride;
+    first_ids[0] = __ldg(row + min(lane, p.max_blocks - 1));
+    first_ids[1] = __ldg(row + min(32 + lane, p.max_blocks - 1));
+  }
   const Work w = block_work<D>(p);
   if (threadIdx.x == 0) stamp(kLength, w.len);
   T* stages = reinterpret_cast<T*>(smem);
@@ -569,7 +628,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   float* recv_rows = reinterpret_cast<float*>(smem + S::kRecvRows);
 
   if (threadIdx.x == 0) {  // while the sequence length is in flight
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < p.ring_stages; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], kConsumerWarps);
     }
@@ -588,9 +647,9 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
     float m_lo = kNegInf, m_hi = kNegInf, l_lo = 0.f, l_hi = 0.f;
     if (consumer) {
       if (w.rows > 8)
-        consume<T, D, true>(p, w, n_tiles, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+        consume<T, D, true>(p, w, n_tiles, p.ring_stages, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
       else
-        consume<T, D, false>(p, w, n_tiles, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+        consume<T, D, false>(p, w, n_tiles, p.ring_stages, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
       if (qd == 0) {
         warp_max[warp][r] = m_lo;
         warp_max[warp][r + 8] = m_hi;
@@ -598,7 +657,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
         warp_sum[warp][r + 8] = l_hi;
       }
     } else {
-      produce<T, D>(p, w, n_tiles, stages, full, empty);
+      produce<T, D>(p, w, n_tiles, p.ring_stages, stages, full, empty, first_ids);
     }
     __syncthreads();  // every consumer's state is in and every stage is drained
     if (threadIdx.x == 0) stamp(kSynced);
@@ -628,6 +687,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
     }
     __syncthreads();
     if (threadIdx.x == 0) stamp(kReduced);
+    if (cluster) cluster_wait_started();
 
     constexpr int kCols = D / 4;
     for (int idx = threadIdx.x; idx < w.rows * kCols; idx += kThreads) {
@@ -661,6 +721,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
     uint16_t* out = static_cast<uint16_t*>(p.out) + ((int64_t)w.b * hq + w.q_head0) * D;
     for (int idx = threadIdx.x; idx < w.rows * D; idx += kThreads) out[idx] = 0;
   } else if (cluster) {  // an empty split contributes lse = -inf and no output
+    cluster_wait_started();
     if (threadIdx.x < w.rows) cluster_store(cluster_addr(recv_lse + blockIdx.x * kRows + threadIdx.x, 0), kNegInf);
   } else if (threadIdx.x < w.rows) {
     p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = kNegInf;
@@ -668,7 +729,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   if (late_trigger) pdl_trigger();
   if (threadIdx.x == 0) stamp(kStored);
 
-  if (cluster) {  // the leader waits for every split's push; nobody reads the others' memory
+  if (cluster) {  // the leader waits for every split's push (the barrier's second phase)
     cluster_arrive();
     if (blockIdx.x != 0) {
       if (threadIdx.x == 0) stamp(kExit);
@@ -721,9 +782,10 @@ bool cluster_fits(int splits) {
   int8_t& slot = known[device][splits];
   int8_t k = __atomic_load_n(&slot, __ATOMIC_ACQUIRE);
   if (k != 0) return k > 0;
-  bool fits = splits <= 8 || cudaFuncSetAttribute(split_kernel<T, D>, cudaFuncAttributeNonPortableClusterSizeAllowed,
-                                                  1) == cudaSuccess;
-  if (fits) {
+  cudaError_t err = splits <= 8 ? cudaSuccess
+                                 : cudaFuncSetAttribute(split_kernel<T, D>,
+                                                        cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (err == cudaSuccess) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(splits, 1, 1);
     config.blockDim = dim3(S::kThreads);
@@ -736,11 +798,18 @@ bool cluster_fits(int splits) {
     config.attrs = attr;
     config.numAttrs = 1;
     int clusters = 0;
-    fits = cudaOccupancyMaxActiveClusters(&clusters, split_kernel<T, D>, &config) == cudaSuccess && clusters > 0;
+    err = cudaOccupancyMaxActiveClusters(&clusters, split_kernel<T, D>, &config);
+    if (err == cudaSuccess) {
+      __atomic_store_n(&slot, int8_t(clusters > 0 ? 1 : -1), __ATOMIC_RELEASE);
+      return clusters > 0;
+    }
+  } else {  // this device does not take clusters of this size
+    __atomic_store_n(&slot, int8_t(-1), __ATOMIC_RELEASE);
   }
-  cudaGetLastError();  // a refusal above is an answer, not an error to report later
-  __atomic_store_n(&slot, int8_t(fits ? 1 : -1), __ATOMIC_RELEASE);
-  return fits;
+  // The failed call's error is this launch's answer (the merge kernel serves it), not one for the
+  // caller's next check. A failed occupancy query is asked again next time.
+  cudaGetLastError();
+  return false;
 }
 
 template <typename T, int D>
@@ -797,7 +866,11 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   const int rows = group < kRows ? group : kRows;
   const bool cluster = cluster_mode && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
                        p.num_splits * rows * D * 4 <= S::kRecvRowBytes && cluster_fits<T, D>(p.num_splits);
-  const int smem = cluster || (p.spread && blocks <= sms) ? S::kSpreadSmemBytes : S::kSmemBytes;
+  const bool spread_layout = cluster || (p.spread && blocks <= sms);
+  const int smem = spread_layout ? S::kSpreadSmemBytes : S::kSmemBytes;
+  // A block alone on its SM keeps more bytes in flight with a deeper ring (NOTES.md).
+  const int ring = p.ring_stages > 0 ? p.ring_stages : spread_layout ? kSpreadStages : kStages;
+  p.ring_stages = min(ring, !spread_layout ? kStages : cluster ? kSpreadRingStages : kMaxStages);
   if (cluster_mode && !cluster && p.num_splits > 1)  // too many splits for one cluster: merge by kernel
     p.merge_mode = p.merge_mode == kMergeCluster ? kMergeKernelPdl : kMergePdlLate;
   // Made resident early (PDL) while its predecessor still held SMs, a grid of 1-2 blocks per SM

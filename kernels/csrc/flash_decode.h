@@ -41,6 +41,9 @@ struct DecodeParams {
   int merge_mode;
   bool spread;                    // a grid of at most one block per SM asks for enough shared
                                   // memory that no SM can take two of its blocks
+  int ring_stages;                // shared-memory stages in flight per block, 1..kMaxRingStages; 0 lets
+                                  // the launcher choose. More than 3 (5 with a cluster merge) only
+                                  // where the block is alone on its SM (spread); otherwise capped.
 };
 
 struct WriteKvParams {
@@ -56,6 +59,8 @@ struct WriteKvParams {
   int row_bytes;                  // D * element size, a multiple of 16
 };
 
+// Deepest ring of K/V stages a block may ask for (a spread block without a cluster merge).
+constexpr int kMaxRingStages = 6;
 // Largest split count a launch accepts (bounds the merge's shared memory).
 constexpr int kMaxSplits = 256;
 // Most splits one cluster merge serves (a non-portable cluster size on Hopper); more use the kernel.
@@ -68,7 +73,7 @@ cudaError_t launch_flash_decode(const DecodeParams& params, cudaStream_t stream)
 #ifdef FLASHDECODE_TIMELINE
 // Diagnostic build only (python -m kernels.timeline): per-block clock stamps of the last call.
 constexpr int kTimelineBlocks = 4096;
-constexpr int kTimelineStamps = 14;
+constexpr int kTimelineStamps = 16;
 cudaError_t read_timeline(int64_t* host, bool reset);
 #endif
 cudaError_t launch_write_kv(const WriteKvParams& params, cudaStream_t stream);

@@ -87,7 +87,7 @@ def poison(workspace, out_shape, dtype):
 
 
 def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, num_splits=None, workspace=None,
-                         seed=None, min_chunk=None, merge_mode=None, spread=False):
+                         seed=None, min_chunk=None, merge_mode=None, spread=False, ring_stages=0):
     k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, head_dim, block_size, dtype)
     batch = len(lengths)
     q = torch.randn(batch, num_q, head_dim, device=DEVICE, dtype=dtype)
@@ -96,13 +96,13 @@ def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, nu
         workspace = kernels.Workspace(batch, num_q, head_dim, table.shape[1] * block_size, DEVICE,
                                       num_kv_heads=num_kv)
     poison(workspace, q.shape, dtype)
-    if min_chunk is None and merge_mode is None and not spread:
+    if min_chunk is None and merge_mode is None and not spread and not ring_stages:
         out = kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace,
                                    num_splits=num_splits)
     else:  # another merge mode, or smaller device-side chunks: more non-empty splits to merge
         out = ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace,
                                     num_splits=num_splits, min_chunk=min_chunk, merge_mode=merge_mode,
-                                    spread=spread)
+                                    spread=spread, ring_stages=ring_stages)
     ref = oracle(q, k_cache, v_cache, table, seq_lens, scale)
     plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale)
     err = (out.double() - ref).abs().max().item()
@@ -209,6 +209,28 @@ def test_cluster_and_late_trigger_modes(merge_mode, num_splits, shape, spread, f
                              spread=spread)
 
 
+@pytest.mark.parametrize("spread", [False, True])
+@pytest.mark.parametrize("merge_mode", [ops.MERGE_AUTO, ops.MERGE_CLUSTER_PDL, ops.MERGE_KERNEL_PDL])
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 17])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])
+def test_ring_depths(shape, num_splits, merge_mode, spread, fresh_seed):
+    """A ring of 1 to 6 stages (each wrapping many times over these lengths) changes when tiles
+    arrive, never which warp sums which tokens: every depth gives the same bits, and they match
+    the float64 oracle."""
+    num_q, num_kv, dim = shape
+    lengths = [1, 250, 9000] + torch.randint(1, 20000, (2,)).tolist()
+    ws = kernels.Workspace(len(lengths) * num_splits, num_q, dim, 20032, DEVICE, num_kv_heads=num_kv,
+                           max_splits=32)
+    outs = []
+    for ring in range(ops.MAX_RING_STAGES + 1):
+        torch.manual_seed(fresh_seed)  # the same cache and queries for every depth
+        outs.append(check_against_oracle(lengths, num_q, num_kv, dim, 32, torch.bfloat16, num_splits=num_splits,
+                                         workspace=ws, seed=fresh_seed, merge_mode=merge_mode, spread=spread,
+                                         ring_stages=ring).clone())
+    for ring, out in enumerate(outs[1:], start=1):
+        assert torch.equal(out, outs[0]), f"ring {ring} differs from the launcher's choice"
+
+
 @pytest.mark.parametrize("merge_mode", [ops.MERGE_KERNEL_PDL, ops.MERGE_PDL_LATE, ops.MERGE_CLUSTER_PDL, None])
 def test_graph_replay_equals_eager(merge_mode):
     batch, num_q, num_kv, dim, bs = 6, 9, 3, 64, 16
@@ -299,6 +321,9 @@ def test_rejects_unsupported_inputs():
         kernels.flash_decode(q, kc, kc.clone(), table, seq_lens)
     with pytest.raises(ValueError, match="merge_mode"):
         ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, merge_mode=8)
+    for ring in (-1, ops.MAX_RING_STAGES + 1):
+        with pytest.raises(ValueError, match="ring_stages"):
+            ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, ring_stages=ring)
 
 
 def test_no_host_sync_and_no_allocation_but_output():
