@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from torch.utils.cpp_extension import include_paths
+from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
 
 CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
 SOURCES = sorted(CSRC.glob("*.cu"))
@@ -28,7 +28,8 @@ def test_there_are_cuda_sources():
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_compiles_for_sm90(source, tmp_path):
     includes = [f"-I{p}" for p in [*include_paths(), str(CSRC)]]
-    cmd = [nvcc(), "-arch=sm_90", "-O3", "-std=c++17", "-Xptxas", "-v", "-c", str(source),
+    # torch's extension flags too (no implicit half conversions): the JIT build compiles with them
+    cmd = [nvcc(), "-arch=sm_90", "-O3", "-std=c++17", *COMMON_NVCC_FLAGS, "-Xptxas", "-v", "-c", str(source),
            "-o", str(tmp_path / (source.stem + ".o")), *includes]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout}\n{result.stderr}"
