@@ -57,8 +57,7 @@ struct Shape {
 };
 
 // Most dynamic shared memory a split block asks for (the SM's 228 KB less the static part and
-// the per-block reserve): a deeper ring, a cluster's receive area, the balanced schedule's
-// prefix; see launch_typed.
+// the per-block reserve): a deeper ring, then a cluster's receive area; see launch_typed.
 constexpr int kMaxSmemBytes = 224 * 1024;
 // What a cluster's leader receives past its ring: every split's LSEs, then its rows.
 constexpr int kRecvLseBytes = kMaxClusterSplits * kRows * 4;
@@ -350,60 +349,6 @@ __device__ void merge_rows(const DecodeParams& p, int b, int q_head0, int rows, 
   }
 }
 
-// ---- the balanced schedule ----------------------------------------------------------------------
-//
-// With p.balanced_blocks = N > 0 the grid is N blocks that share the batch's K/V tiles evenly,
-// instead of one block per (split, head group, sequence). The tiles are numbered sequence by
-// sequence, and within a sequence head group by head group (an item); block k takes tiles
-// [k T / N, (k + 1) T / N) of the T in all, which cross item boundaries: each piece of an item
-// is a segment. A segment that is its item's whole writes the output; the others write a partial
-// to workspace slot item + k (unique: along the tiles, item and block never both step back), and
-// the merge kernel combines an item's slots. Everything follows from seq_lens on the device, so
-// one grid serves any lengths (a CUDA graph's replay).
-
-// tiles[b] before sequence b for b in [0, B], and each sequence's length, into shared memory;
-// warp 0 scans, the block waits.
-template <int D>
-__device__ void tile_prefix(const DecodeParams& p, int* prefix, int* lens) {
-  constexpr int kTile = Shape<D>::kTile;
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    int carry = 0;
-    if (lane == 0) prefix[0] = 0;
-    for (int b0 = 0; b0 < p.batch; b0 += 32) {
-      const int b = b0 + lane;
-      const int len = b < p.batch ? min(max(p.seq_lens[b], 0), p.max_blocks * p.block_size) : 0;
-      int sum = (len + kTile - 1) / kTile;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int x = __shfl_up_sync(0xffffffffu, sum, o);
-        if (lane >= o) sum += x;
-      }
-      if (b < p.batch) {
-        prefix[b + 1] = carry + sum;
-        lens[b] = len;
-      }
-      carry += __shfl_sync(0xffffffffu, sum, 31);
-    }
-  }
-  __syncthreads();
-}
-
-// The blocks that take part: no more than there are tiles, so that no range is empty.
-__device__ __forceinline__ int balanced_blocks_for(const DecodeParams& p, int64_t total) {
-  return (int)min((int64_t)p.balanced_blocks, total);
-}
-
-// The block whose tile range holds tile x of total.
-__device__ __forceinline__ int balanced_block_of(int64_t x, int64_t total, int blocks) {
-  return (int)(((x + 1) * blocks + total - 1) / total - 1);
-}
-
-// Head groups per sequence (items per sequence) and the item's heads.
-__device__ __forceinline__ int items_per_seq(const DecodeParams& p) {
-  return p.num_kv_heads * ((p.num_q_heads / p.num_kv_heads + kRows - 1) / kRows);
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeParams p) {
   if (p.merge_mode == kMergePdlLate) {  // the next split grid lands on SMs this split grid has left
@@ -413,49 +358,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeParams
     pdl_trigger_then_wait();  // the wait is a no-op unless launched as a PDL dependent
   }
   __shared__ __align__(16) float smem[kRows * kMaxSplits + kMergeThreads * 4];
-  const int b = blockIdx.y, head = blockIdx.x;
-  if (p.balanced_blocks == 0) {
-    merge_rows<T, D>(p, b, head, 1, (int64_t)b * p.num_splits, p.num_splits, smem);
-    return;
-  }
-  // This head's item: its tiles, those before it and all (see "the balanced schedule").
-  __shared__ int counts[3];  // tiles before sequence b, of sequence b, of all sequences
-  if (threadIdx.x < 32) {
-    constexpr int kTile = Shape<D>::kTile;
-    const int cap = p.max_blocks * p.block_size;
-    int before = 0, own = 0, all = 0;
-    for (int i = threadIdx.x; i < p.batch; i += 32) {
-      const int n = (min(max(p.seq_lens[i], 0), cap) + kTile - 1) / kTile;
-      before += i < b ? n : 0;
-      own += i == b ? n : 0;
-      all += n;
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      before += __shfl_xor_sync(0xffffffffu, before, o);
-      own += __shfl_xor_sync(0xffffffffu, own, o);
-      all += __shfl_xor_sync(0xffffffffu, all, o);
-    }
-    if (threadIdx.x == 0) counts[0] = before, counts[1] = own, counts[2] = all;
-  }
-  __syncthreads();
-  const int tiles = counts[1];
-  if (tiles == 0) {  // only for an (invalid) length of 0: zeros, never NaN
-    uint16_t* out = static_cast<uint16_t*>(p.out) + ((int64_t)b * p.num_q_heads + head) * D;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) out[i] = 0;
-    return;
-  }
-  const int group = p.num_q_heads / p.num_kv_heads, head_tiles = (group + kRows - 1) / kRows;
-  const int per_seq = items_per_seq(p);
-  const int y = (head / group) * head_tiles + (head % group) / kRows;
-  const int64_t all = (int64_t)counts[2] * per_seq;
-  const int64_t first = (int64_t)counts[0] * per_seq + (int64_t)y * tiles;
-  const int blocks = balanced_blocks_for(p, all);
-  const int k0 = balanced_block_of(first, all, blocks);
-  const int k1 = balanced_block_of(first + tiles - 1, all, blocks);
-  if (k0 == k1) return;  // one segment: the balanced block wrote the output
-  const int64_t item = (int64_t)b * per_seq + y;
-  merge_rows<T, D>(p, b, head, 1, item + k0, k1 - k0 + 1, smem);
+  merge_rows<T, D>(p, blockIdx.y, blockIdx.x, 1, (int64_t)blockIdx.y * p.num_splits, p.num_splits, smem);
 }
 
 // The cluster's leader (split 0) writes the output rows of its (sequence, head group) from the
@@ -505,7 +408,7 @@ struct RingSlot {
 
 template <typename T, int D>
 __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
-                                        T* stages, uint64_t* full, uint64_t* empty, int2 first_ids) {
+                                        T* stages, uint64_t* full, uint64_t* empty) {
   using S = Shape<D>;
   constexpr int kTile = S::kTile;
   const int lane = threadIdx.x % 32;
@@ -520,12 +423,10 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
 
-  // Block ids of pages [base, base + 64), one per lane in cur and next; never past the last page
-  // (first_ids, where not -1, are those of pages [0, 64); ids past the last page are never used).
+  // Block ids of pages [base, base + 64), one per lane in cur and next; never past the last page.
   int base = w.start / bs;
   auto fetch = [&](int page) { return page < pages ? __ldg(table + page) : 0; };
-  int cur = first_ids.x >= 0 ? first_ids.x : fetch(base + lane);
-  int next = first_ids.x >= 0 ? first_ids.y : fetch(base + 32 + lane);
+  int cur = fetch(base + lane), next = fetch(base + 32 + lane);
   if (lane == 0) stamp(kTable, cur);
 
   long long waited = 0;
@@ -685,8 +586,8 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
   }
 }
 
-// Where a block's pieces of output go: the output itself (the piece is its item's whole), a
-// workspace slot for the merge kernel, or the cluster leader's shared memory.
+// Where a block's rows and LSEs go: the output itself (a grid of one split), a workspace slot for
+// the merge kernel, or the cluster leader's shared memory.
 enum Sink { kToOutput, kToPartial, kToCluster };
 
 // Shared memory past a block's ring (and past the epilogue, which reuses the first stages).
@@ -694,11 +595,11 @@ __device__ __forceinline__ int past_ring(const DecodeParams& p) { return max(p.r
 
 // One block's attention over tokens [w.start, w.end) of one (sequence, head group): the K/V ring
 // (producer warp and consumer warps), then the epilogue that combines the consumer warps and
-// writes the rows and their LSEs to ``sink`` (``slot``: the workspace row for kToPartial). The
-// ring's position carries over from call to call. Every thread of the block calls it.
+// writes the rows and their LSEs to ``sink`` (``slot``: the workspace row for kToPartial). Every
+// thread of the block calls it.
 template <typename T, int D>
 __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sink sink, int64_t slot, RingSlot& ring,
-                                       uint8_t* smem, uint64_t* full, uint64_t* empty, int2 first_ids) {
+                                       uint8_t* smem, uint64_t* full, uint64_t* empty) {
   using S = Shape<D>;
   constexpr int kTile = S::kTile, kConsumerWarps = S::kConsumerWarps, kThreads = S::kThreads;
   __shared__ float warp_max[kConsumerWarps][kRows], warp_sum[kConsumerWarps][kRows];
@@ -729,7 +630,7 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
       warp_sum[warp][r + 8] = l_hi;
     }
   } else {
-    produce<T, D>(p, w, n_tiles, ring, stages, full, empty, first_ids);
+    produce<T, D>(p, w, n_tiles, ring, stages, full, empty);
   }
   __syncthreads();  // every consumer's state is in and every stage is drained
   if (threadIdx.x == 0) stamp(kSynced);
@@ -791,57 +692,6 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
   }
 }
 
-// The balanced schedule's blocks (see above merge_kernel): each walks its tile range segment by
-// segment.
-template <typename T, int D>
-__device__ void attend_balanced(const DecodeParams& p, RingSlot& ring, uint8_t* smem, uint64_t* full,
-                                uint64_t* empty) {
-  constexpr int kTile = Shape<D>::kTile;
-  int* prefix = reinterpret_cast<int*>(smem + past_ring(p));
-  int* lens = prefix + p.batch + 1;
-  tile_prefix<D>(p, prefix, lens);  // its block barrier also publishes the ring's barriers
-  // The walk's cursor lives in shared memory: kept in registers across the pipeline it would
-  // cost a spill.
-  __shared__ int64_t cursor;
-  const int k = blockIdx.x;
-  const int64_t all = (int64_t)prefix[p.batch] * items_per_seq(p);
-  if (k >= balanced_blocks_for(p, all)) return;
-  if (threadIdx.x == 0) cursor = all * k / balanced_blocks_for(p, all);
-  __syncthreads();
-  while (true) {
-    const int per_seq = items_per_seq(p);
-    const int64_t total = (int64_t)prefix[p.batch] * per_seq;
-    const int64_t end = total * (k + 1) / balanced_blocks_for(p, total);
-    const int64_t x = cursor;
-    if (x >= end) break;
-    const int group = p.num_q_heads / p.num_kv_heads, head_tiles = (group + kRows - 1) / kRows;
-    int lo = 0, hi = p.batch;  // the sequence: the last b with prefix[b] * per_seq <= x
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if ((int64_t)prefix[mid] * per_seq <= x) lo = mid;
-      else hi = mid;
-    }
-    Work w;
-    w.b = lo;
-    const int tiles = prefix[w.b + 1] - prefix[w.b];
-    const int64_t offset = x - (int64_t)prefix[w.b] * per_seq;
-    const int y = (int)(offset / tiles), t0 = (int)(offset % tiles);
-    const int n = (int)min((int64_t)(tiles - t0), end - x);
-    w.kv_head = y / head_tiles;
-    w.q_head0 = w.kv_head * group + (y % head_tiles) * kRows;
-    w.rows = min(kRows, (w.kv_head + 1) * group - w.q_head0);
-    w.len = lens[w.b];
-    w.start = t0 * kTile;
-    w.end = min((t0 + n) * kTile, w.len);
-    const bool whole = t0 == 0 && n == tiles;
-    __syncthreads();  // every thread has read the cursor
-    if (threadIdx.x == 0) cursor = x + n;
-    attend<T, D>(p, w, whole ? kToOutput : kToPartial, (int64_t)w.b * per_seq + y + k, ring, smem, full, empty,
-                 make_int2(-1, -1));
-    __syncthreads();  // the epilogue has read its rows before the next segment's tiles land there
-  }
-}
-
 // The ring's barriers: a full barrier per stage (the producer's byte count) and an empty one (every
 // consumer warp's release). Thread 0 initialises them; a block barrier must follow.
 template <int D>
@@ -853,18 +703,6 @@ __device__ __forceinline__ void init_ring(const DecodeParams& p, uint64_t* full,
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-}
-
-// The balanced schedule's grid (its own kernel: the segment walk's state would cost the split
-// kernel registers). Its merge kernel is a PDL dependent, let in at once.
-template <typename T, int D>
-__global__ void __launch_bounds__(Shape<D>::kThreads, 2) balanced_kernel(const DecodeParams p) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ uint64_t full[kMaxStages], empty[kMaxStages];
-  pdl_trigger_then_wait();
-  init_ring<D>(p, full, empty);
-  RingSlot ring(p.ring_stages);
-  attend_balanced<T, D>(p, ring, smem, full, empty);
 }
 
 template <typename T, int D>
@@ -886,26 +724,16 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   if (!late_trigger) pdl_trigger();
   pdl_wait();  // a no-op unless this grid was launched as a PDL dependent
   if (threadIdx.x == 0) stamp(kWaited);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const bool consumer = warp != S::kProducerWarp;
   init_ring<D>(p, full, empty);  // while the sequence length is in flight
   RingSlot ring(p.ring_stages);
 
-  // Split 0 starts at token 0 whatever the sequence's length: its producer asks for the first 64
-  // block ids in the same round trip as the length.
-  int2 first_ids = make_int2(-1, -1);
-  if (!consumer && blockIdx.x == 0 && p.max_blocks > 0) {
-    const int32_t* row = p.block_table + (int64_t)blockIdx.z * p.block_table_stride;
-    first_ids.x = max(__ldg(row + min(lane, p.max_blocks - 1)), 0);
-    first_ids.y = __ldg(row + min(32 + lane, p.max_blocks - 1));
-  }
   const Work w = block_work<D>(p);
   if (threadIdx.x == 0) stamp(kLength, w.len);
   __syncthreads();  // the ring's barriers are initialised
 
   if (w.start < w.end) {
     const Sink sink = splits == 1 ? kToOutput : cluster ? kToCluster : kToPartial;
-    attend<T, D>(p, w, sink, (int64_t)w.b * splits + blockIdx.x, ring, smem, full, empty, first_ids);
+    attend<T, D>(p, w, sink, (int64_t)w.b * splits + blockIdx.x, ring, smem, full, empty);
   } else if (splits == 1) {  // only for an (invalid) length of 0: write zeros, never NaN
     uint16_t* out = static_cast<uint16_t*>(p.out) + ((int64_t)w.b * hq + w.q_head0) * D;
     for (int idx = threadIdx.x; idx < w.rows * D; idx += kThreads) out[idx] = 0;
@@ -1007,7 +835,6 @@ bool cluster_fits(int splits) {
 template <typename T, int D>
 cudaError_t launch_split(const DecodeParams& p, dim3 grid, int smem_bytes, bool cluster, bool pdl,
                          cudaStream_t stream) {
-  auto kernel = p.balanced_blocks > 0 ? balanced_kernel<T, D> : split_kernel<T, D>;
   using S = Shape<D>;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
@@ -1030,28 +857,22 @@ cudaError_t launch_split(const DecodeParams& p, dim3 grid, int smem_bytes, bool 
   }
   config.attrs = attr;
   config.numAttrs = n;
-  return cudaLaunchKernelEx(&config, kernel, p);
+  return cudaLaunchKernelEx(&config, split_kernel<T, D>, p);
 }
 
 template <typename T, int D>
 cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   using S = Shape<D>;
-  static uint64_t smem_raised = 0, balanced_smem_raised = 0;
+  static uint64_t smem_raised = 0;
   cudaError_t err = allow_dynamic_smem(split_kernel<T, D>, kMaxSmemBytes, smem_raised);
-  if (err == cudaSuccess) err = allow_dynamic_smem(balanced_kernel<T, D>, kMaxSmemBytes, balanced_smem_raised);
   if (err != cudaSuccess) return err;
   DecodeParams p = params;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int head_tiles = (group + kRows - 1) / kRows;
-  const bool balanced = p.balanced_blocks > 0;
-  const dim3 grid = balanced ? dim3(p.balanced_blocks, 1, 1) : dim3(p.num_splits, p.num_kv_heads * head_tiles, p.batch);
+  const dim3 grid(p.num_splits, p.num_kv_heads * head_tiles, p.batch);
   const int64_t blocks = (int64_t)grid.x * grid.y * grid.z;
   const int sms = sm_count();
-  if (balanced) {
-    // Its merge kernel runs as a PDL dependent, let in early; one block per SM where the grid fits.
-    if (p.merge_mode == kMergeAuto) p.spread = blocks <= sms;
-    p.merge_mode = kMergePdlLate;
-  } else if (p.merge_mode == kMergeAuto) {
+  if (p.merge_mode == kMergeAuto) {
     // PDL with the late trigger everywhere, which needs a one-wave grid spread one block per SM
     // (else the early-placed blocks doubled up on some SMs: 10-14 % slower). A cluster merge
     // where its clusters cannot crowd the SMs they share: two splits, or a grid of at most half
@@ -1060,7 +881,7 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
     const bool small_clusters = p.num_splits == 2 || 2 * blocks <= sms;
     p.merge_mode = p.num_splits > 1 && p.spread && small_clusters ? kMergeClusterPdl : kMergePdlLate;
   }
-  const bool cluster_mode = !balanced && (p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl);
+  const bool cluster_mode = p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl;
   // Only a block alone on its SM (spread, or in a cluster) may hold a deeper ring than three
   // stages (a deeper ring measured no faster: NOTES.md); what it receives or keeps lies past it.
   const bool alone = cluster_mode || (p.spread && blocks <= sms);
@@ -1072,15 +893,14 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
                        past + recv_bytes <= kMaxSmemBytes && cluster_fits<T, D>(p.num_splits);
   if (cluster_mode && !cluster && p.num_splits > 1)  // too many splits for one cluster: merge by kernel
     p.merge_mode = p.merge_mode == kMergeCluster ? kMergeKernelPdl : kMergePdlLate;
-  int smem = past + (cluster ? recv_bytes : 0) + (balanced ? 4 * (2 * p.batch + 1) : 0);
+  int smem = past + (cluster ? recv_bytes : 0);
   if (cluster || (p.spread && blocks <= sms)) smem = max(smem, S::kSpreadSmemBytes);
-  if (smem > kMaxSmemBytes) return cudaErrorInvalidValue;  // a balanced grid over too large a batch
   // Made resident early (PDL) while its predecessor still held SMs, a grid of 1-2 blocks per SM
   // landed unevenly unless spread (measured: 32/8/128 B=8 M=32768 244 -> 307 us): modes 0-2 and 5
   // launch it plainly.
   const bool pdl = p.merge_mode == kMergePdlChain || p.merge_mode == kMergePdlLate || p.merge_mode == kMergeClusterPdl;
   err = launch_split<T, D>(p, grid, smem, cluster, pdl, stream);
-  if (err != cudaSuccess || (!balanced && p.num_splits == 1) || cluster || p.merge_mode == kMergeLastBlock) return err;
+  if (err != cudaSuccess || p.num_splits == 1 || cluster || p.merge_mode == kMergeLastBlock) return err;
 
   const dim3 merge_grid(p.num_q_heads, p.batch);
   if (p.merge_mode == kMergeKernel) {
