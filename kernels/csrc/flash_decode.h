@@ -58,7 +58,7 @@ struct WriteKvParams {
   int row_bytes;                  // D * element size, a multiple of 16
 };
 
-// Deepest ring of K/V stages a block may ask for (a spread block without a cluster merge).
+// Deepest ring of K/V stages a block may ask for (deeper than 3 only where it is alone on its SM).
 constexpr int kMaxRingStages = 6;
 // Largest split count a launch accepts (bounds the merge's shared memory).
 constexpr int kMaxSplits = 256;
