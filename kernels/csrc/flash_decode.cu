@@ -483,11 +483,8 @@ __device__ __forceinline__ float softmax_step(float& m, float& l, float& a, floa
 
 // One consumer warp's pass over the split: online softmax state (m, l) per query-head row
 // (this thread's rows r and r + 8) and the output fragments o, unnormalised. Without kHi the
-// block serves at most eight query heads: rows r + 8 are padding and get no softmax work. With
-// kPipelined the loop runs one tile ahead: the scores of tile i + 1 are asked for before tile
-// i's softmax and P V, so each warp keeps two independent dependency chains in flight (it needs
-// a ring of two or more stages, and the registers of a block alone on its SM).
-template <typename T, int D, bool kHi, bool kPipelined>
+// block serves at most eight query heads: rows r + 8 are padding and get no softmax work.
+template <typename T, int D, bool kHi>
 __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
                                         const T* stages,
                                         uint64_t* full, uint64_t* empty, float (&o)[D / 32][4][4], float& m_lo,
@@ -508,10 +505,23 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
                   : zero;
   }
   const float scale_log2 = p.scale * kLog2e;
-  auto tile_at = [&](int stage) { return stages + (int64_t)stage * 2 * kTile * D + warp * kWarpTokens * D; };
-  // S = Q K^T for this warp's 16 tokens of a tile (rows r and r + 8, tokens 8h + 2qd + {0, 1}).
-  auto scores = [&](int stage, float (&s)[2][4]) {
-    const T* k_tile = tile_at(stage);
+
+  long long waited = 0;
+  for (int i = 0; i < n_tiles; ++i, slot.advance()) {
+    const int stage = slot.stage;
+    const int t_warp = w.start + i * kTile + warp * kWarpTokens;
+    const long long t = clock_now();
+    mbar_wait(&full[stage], slot.round & 1);
+    if (i > 0) waited += clock_now() - t;
+    if (i == 0 && warp == 0 && lane == 0) stamp(kFirstTile);
+    const T* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * kWarpTokens * D;
+    const T* v_tile = k_tile + kTile * D;
+    if (t_warp >= w.end) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[stage]);
+      continue;
+    }
+    float s[2][4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
@@ -522,10 +532,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
         Elem<T>::mma(s[h], q_lo[j].z, q_hi[j].z, q_lo[j].w, q_hi[j].w, k.z, k.w);
       }
     }
-  };
-  // This warp's V rows of a tile; then the stage goes back to the producer.
-  auto values_and_release = [&](int stage, uint4 (&v)[2][S::kGroups]) {
-    const T* v_tile = tile_at(stage) + kTile * D;
+    uint4 v[2][S::kGroups];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -533,9 +540,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
         v[h][j] = *reinterpret_cast<const uint4*>(v_tile + (8 * h + r) * D + 32 * j + 8 * qd);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[stage]);
-  };
-  // Online softmax over the tile's scores, then O += P V.
-  auto accumulate = [&](float (&s)[2][4], uint4 (&v)[2][S::kGroups], int t_warp) {
+
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -572,57 +577,6 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
         }
         Elem<T>::mma(o[j][c], p0, p1, p2, p3, transpose8x8(word(v[0][j], c)), transpose8x8(word(v[1][j], c)));
       }
-  };
-
-  long long waited = 0;
-  if constexpr (!kPipelined) {
-    for (int i = 0; i < n_tiles; ++i, slot.advance()) {
-      const int stage = slot.stage;
-      const int t_warp = w.start + i * kTile + warp * kWarpTokens;
-      const long long t = clock_now();
-      mbar_wait(&full[stage], slot.round & 1);
-      if (i > 0) waited += clock_now() - t;
-      if (i == 0 && warp == 0 && lane == 0) stamp(kFirstTile);
-      if (t_warp >= w.end) {  // past the end: only keeps the ring moving
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[stage]);
-        continue;
-      }
-      float s[2][4];
-      uint4 v[2][S::kGroups];
-      scores(stage, s);
-      values_and_release(stage, v);
-      accumulate(s, v, t_warp);
-    }
-  } else {
-    int t_warp = w.start + warp * kWarpTokens;
-    float s[2][4];
-    mbar_wait(&full[slot.stage], slot.round & 1);
-    if (warp == 0 && lane == 0) stamp(kFirstTile);
-    if (t_warp < w.end) scores(slot.stage, s);
-    for (int i = 0; i < n_tiles; ++i, t_warp += kTile) {
-      const bool active = t_warp < w.end;
-      uint4 v[2][S::kGroups];
-      if (active) {
-        values_and_release(slot.stage, v);
-      } else {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[slot.stage]);
-      }
-      slot.advance();
-      float s_next[2][4];
-      if (i + 1 < n_tiles) {
-        const long long t = clock_now();
-        mbar_wait(&full[slot.stage], slot.round & 1);
-        waited += clock_now() - t;
-        if (t_warp + kTile < w.end) scores(slot.stage, s_next);
-      }
-      if (active) accumulate(s, v, t_warp);
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) s[h][c] = s_next[h][c];
-    }
   }
   l_lo = quad_sum(l_lo);
   l_hi = quad_sum(l_hi);
@@ -643,7 +597,7 @@ __device__ __forceinline__ int past_ring(const DecodeParams& p) { return max(p.r
 // (producer warp and consumer warps), then the epilogue that combines the consumer warps and
 // writes the rows and their LSEs to ``sink`` (``slot``: the workspace row for kToPartial). Every
 // thread of the block calls it.
-template <typename T, int D, bool kLone>
+template <typename T, int D>
 __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sink sink, int64_t slot, RingSlot& ring,
                                        uint8_t* smem, uint64_t* full, uint64_t* empty) {
   using S = Shape<D>;
@@ -666,11 +620,9 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
   float m_lo = kNegInf, m_hi = kNegInf, l_lo = 0.f, l_hi = 0.f;
   if (consumer) {
     if (w.rows > 8)
-      consume<T, D, true, false>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
-    else if (kLone && p.ring_stages >= 2)
-      consume<T, D, false, kLone>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+      consume<T, D, true>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
     else
-      consume<T, D, false, false>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+      consume<T, D, false>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
     if (qd == 0) {
       warp_max[warp][r] = m_lo;
       warp_max[warp][r + 8] = m_hi;
@@ -753,10 +705,8 @@ __device__ __forceinline__ void init_ring(const DecodeParams& p, uint64_t* full,
   }
 }
 
-// kLone: the variant for a block alone on its SM (spread, or in a cluster), whose registers
-// allow the pipelined consumer; the other keeps two blocks per SM.
-template <typename T, int D, bool kLone>
-__global__ void __launch_bounds__(Shape<D>::kThreads, kLone ? 1 : 2) split_kernel(const DecodeParams p) {
+template <typename T, int D>
+__global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const DecodeParams p) {
   using S = Shape<D>;
   constexpr int kThreads = S::kThreads;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -783,7 +733,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, kLone ? 1 : 2) split_kerne
 
   if (w.start < w.end) {
     const Sink sink = splits == 1 ? kToOutput : cluster ? kToCluster : kToPartial;
-    attend<T, D, kLone>(p, w, sink, (int64_t)w.b * splits + blockIdx.x, ring, smem, full, empty);
+    attend<T, D>(p, w, sink, (int64_t)w.b * splits + blockIdx.x, ring, smem, full, empty);
   } else if (splits == 1) {  // only for an (invalid) length of 0: write zeros, never NaN
     uint16_t* out = static_cast<uint16_t*>(p.out) + ((int64_t)w.b * hq + w.q_head0) * D;
     for (int idx = threadIdx.x; idx < w.rows * D; idx += kThreads) out[idx] = 0;
@@ -853,7 +803,7 @@ bool cluster_fits(int splits) {
   int8_t k = __atomic_load_n(&slot, __ATOMIC_ACQUIRE);
   if (k != 0) return k > 0;
   cudaError_t err = splits <= 8 ? cudaSuccess
-                                 : cudaFuncSetAttribute(split_kernel<T, D, true>,
+                                 : cudaFuncSetAttribute(split_kernel<T, D>,
                                                         cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   if (err == cudaSuccess) {
     cudaLaunchConfig_t config = {};
@@ -868,7 +818,7 @@ bool cluster_fits(int splits) {
     config.attrs = attr;
     config.numAttrs = 1;
     int clusters = 0;
-    err = cudaOccupancyMaxActiveClusters(&clusters, split_kernel<T, D, true>, &config);
+    err = cudaOccupancyMaxActiveClusters(&clusters, split_kernel<T, D>, &config);
     if (err == cudaSuccess) {
       __atomic_store_n(&slot, int8_t(clusters > 0 ? 1 : -1), __ATOMIC_RELEASE);
       return clusters > 0;
@@ -907,17 +857,14 @@ cudaError_t launch_split(const DecodeParams& p, dim3 grid, int smem_bytes, bool 
   }
   config.attrs = attr;
   config.numAttrs = n;
-  // A block alone on its SM (spread or in a cluster) runs the variant with the pipelined consumer.
-  if (cluster || smem_bytes > S::kSmemBytes) return cudaLaunchKernelEx(&config, split_kernel<T, D, true>, p);
-  return cudaLaunchKernelEx(&config, split_kernel<T, D, false>, p);
+  return cudaLaunchKernelEx(&config, split_kernel<T, D>, p);
 }
 
 template <typename T, int D>
 cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   using S = Shape<D>;
-  static uint64_t smem_raised = 0, lone_smem_raised = 0;
-  cudaError_t err = allow_dynamic_smem(split_kernel<T, D, false>, kMaxSmemBytes, smem_raised);
-  if (err == cudaSuccess) err = allow_dynamic_smem(split_kernel<T, D, true>, kMaxSmemBytes, lone_smem_raised);
+  static uint64_t smem_raised = 0;
+  cudaError_t err = allow_dynamic_smem(split_kernel<T, D>, kMaxSmemBytes, smem_raised);
   if (err != cudaSuccess) return err;
   DecodeParams p = params;
   const int group = p.num_q_heads / p.num_kv_heads;
