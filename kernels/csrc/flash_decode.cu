@@ -883,7 +883,7 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   }
   const bool cluster_mode = p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl;
   // Only a block alone on its SM (spread, or in a cluster) may hold a deeper ring than three
-  // stages (a deeper ring measured no faster: NOTES.md); what it receives or keeps lies past it.
+  // stages (a deeper ring measured no faster: NOTES.md); a cluster leader receives past it.
   const bool alone = cluster_mode || (p.spread && blocks <= sms);
   p.ring_stages = p.ring_stages > 0 && alone ? p.ring_stages : p.ring_stages > 0 ? min(p.ring_stages, kStages) : kStages;
   const int past = max(p.ring_stages, kStages) * kStageBytes;
