@@ -259,13 +259,12 @@ __device__ __forceinline__ Work block_work(const DecodeParams& p) {
 
 // ---- merge of split partials ------------------------------------------------------------------
 
-// Output rows [q_head0, q_head0 + rows) of sequence b from the partials in workspace slots
-// [slot0, slot0 + splits). Uses every thread of the block; smem holds rows * splits weights (at
-// most kRows * kMaxSplits) + blockDim.x float4.
+// Output rows [q_head0, q_head0 + rows) of sequence b from its num_splits partials.
+// Uses every thread of the block; smem holds rows * num_splits weights + blockDim.x float4.
 template <typename T, int D>
-__device__ void merge_rows(const DecodeParams& p, int b, int q_head0, int rows, int64_t slot0, int splits,
-                           float* smem) {
-  const int hq = p.num_q_heads;
+__device__ void merge_rows(const DecodeParams& p, int b, int q_head0, int rows, float* smem) {
+  const int splits = p.num_splits, hq = p.num_q_heads;
+  const int64_t slot0 = (int64_t)b * splits;  // the workspace row of split 0
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   float* weights = smem;
   float4* partial = reinterpret_cast<float4*>(smem + kRows * kMaxSplits);
@@ -358,7 +357,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeParams
     pdl_trigger_then_wait();  // the wait is a no-op unless launched as a PDL dependent
   }
   __shared__ __align__(16) float smem[kRows * kMaxSplits + kMergeThreads * 4];
-  merge_rows<T, D>(p, blockIdx.y, blockIdx.x, 1, (int64_t)blockIdx.y * p.num_splits, p.num_splits, smem);
+  merge_rows<T, D>(p, blockIdx.y, blockIdx.x, 1, smem);
 }
 
 // The cluster's leader (split 0) writes the output rows of its (sequence, head group) from the
@@ -395,13 +394,12 @@ __device__ void cluster_merge(const DecodeParams& p, const Work& w, const float*
 
 // ---- the split kernel -------------------------------------------------------------------------
 
-// The next tile's place in the ring of shared-memory stages: its stage, how often the ring has
-// wrapped (the parity of the stage's barrier phase) and how many tiles went before it.
+// The next tile's place in the ring of shared-memory stages: its stage, and how often the ring
+// has wrapped (the parity of the stage's barrier phase).
 struct RingSlot {
-  int stages, stage = 0, round = 0, count = 0;
+  int stages, stage = 0, round = 0;
   __device__ __forceinline__ explicit RingSlot(int n) : stages(n) {}
   __device__ __forceinline__ void advance() {
-    ++count;
     if (++stage == stages) stage = 0, ++round;
   }
 };
@@ -432,7 +430,7 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   long long waited = 0;
   for (int i = 0; i < n_tiles; ++i, slot.advance()) {
     const int stage = slot.stage;
-    if (slot.count >= slot.stages) {
+    if (i >= slot.stages) {
       const long long t = clock_now();
       mbar_wait(&empty[stage], (slot.round - 1) & 1);
       waited += clock_now() - t;
@@ -777,7 +775,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  merge_rows<T, D>(p, w.b, w.q_head0, w.rows, (int64_t)w.b * splits, splits, reinterpret_cast<float*>(smem));
+  merge_rows<T, D>(p, w.b, w.q_head0, w.rows, reinterpret_cast<float*>(smem));
 }
 
 // ---- launchers ---------------------------------------------------------------------------------

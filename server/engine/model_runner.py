@@ -141,8 +141,8 @@ class ModelRunner:
         ids, src, pos = h[0:rows], h[n:n + rows], h[2 * n:2 * n + rows]
         slots, lens = h[3 * n:3 * n + rows], h[4 * n:4 * n + rows]
         table = h[5 * n:5 * n + rows * width].reshape(rows, width)
-        ids[:], src[:], pos[:], slots[:], lens[:] = 0, -1, 0, -1, 1
         b = len(seqs)
+        ids[b:], src[b:], pos[b:], slots[b:], lens[b:], table[b:] = 0, -1, 0, -1, 1, 0   # padding rows
         # whole columns from Python lists, the ragged block tables as one flat padded sequence
         pos[:b] = [s.total_len - 1 for s in seqs]
         lens[:b] = pos[:b] + 1
@@ -152,7 +152,6 @@ class ModelRunner:
         pad = [0] * width
         padded = itertools.chain.from_iterable(s.block_table + pad[len(s.block_table):] for s in seqs)
         table[:b] = np.fromiter(padded, dtype=np.int32, count=b * width).reshape(b, width)
-        table[b:] = 0
         slots[:b] = table[np.arange(b), pos[:b] // bs] * bs + pos[:b] % bs
         count = 5 * n + rows * width
         self._packed[:count].copy_(host[:count], non_blocking=True)
