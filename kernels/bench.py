@@ -8,7 +8,7 @@ replays, per call. Writes ``bench.json`` and ``bench.png`` under ``--out`` and p
 table plus the geometric means the targets name. ``--sweep`` also times other split counts,
 the merge modes and other block sizes (tuning data, in the JSON and a short table); ``--modes``
 times ours in other merge modes beside the default for every case (``--spread-modes`` the same
-with one block per SM where the grid fits; ``--ring-stages`` other ring depths; ``--balanced`` balanced grids; ``--cluster-sweep``
+with one block per SM where the grid fits; ``--ring-stages`` other ring depths; ``--cluster-sweep``
 the cluster merge at 2-16 splits); ``--max-kv-mb`` leaves out the larger cases. It also times the launch floor: one and
 two trivial kernels per call, replayed the same way.
 """
@@ -100,18 +100,18 @@ class Case:
         return self.paged[block_size]
 
     def ours(self, block_size=None, num_splits=None, merge_mode=None, buffers=None, min_chunk=None, spread=False,
-             ring_stages=0, balanced_blocks=0):
+             ring_stages=0):
         ws = self.workspace if buffers is None else buffers
 
         def make(q, kc, vc, bt):
             if buffers is None:
                 return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=ws,
                                                      num_splits=num_splits, merge_mode=merge_mode, spread=spread,
-                                                     ring_stages=ring_stages, balanced_blocks=balanced_blocks)
+                                                     ring_stages=ring_stages)
             return lambda: torch.ops.flashdecode.flash_decode(
                 q, kc, vc, bt, self.seq_lens, q.shape[-1] ** -0.5, num_splits, ws.partial_out, ws.partial_lse,
                 ws.merge_counters, ops.DEFAULT_MERGE if merge_mode is None else merge_mode,
-                planner.MIN_CHUNK if min_chunk is None else min_chunk, spread, ring_stages, balanced_blocks)
+                planner.MIN_CHUNK if min_chunk is None else min_chunk, spread, ring_stages)
         return [make(*s) for s in self.paged_sets(block_size or self.block_size)]
 
     def peer(self, backend):
@@ -129,7 +129,7 @@ class SweepBuffers:
     """Workspace-shaped buffers with room for any split count up to ops.MAX_SPLITS."""
 
     def __init__(self, batch, num_q_heads, head_dim, device):
-        rows = max(batch * ops.MAX_SPLITS, batch * num_q_heads + ops.MAX_BALANCED_BLOCKS)
+        rows = batch * ops.MAX_SPLITS
         self.partial_out = torch.empty(rows, num_q_heads, head_dim, dtype=torch.float32, device=device)
         self.partial_lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=device)
         self.merge_counters = torch.zeros(batch * num_q_heads, dtype=torch.int32, device=device)
@@ -238,8 +238,6 @@ def main(argv=None):
                         help="merge modes to time with spread=True (one block per SM where the grid fits)")
     parser.add_argument("--ring-stages", type=int, nargs="*", default=[],
                         help="ring depths (K/V tiles in flight per block) to time beside the launcher's choice")
-    parser.add_argument("--balanced", type=int, nargs="*", default=[],
-                        help="balanced grids (this many blocks share the batch's tiles) to time beside the default")
     parser.add_argument("--cluster-sweep", action="store_true",
                         help="also time the cluster merge (mode 6, spread) at 2, 4, 8 and 16 splits")
     parser.add_argument("--max-kv-mb", type=float, default=MAX_KV_BYTES / 1e6, help="skip cases with more KV")
@@ -277,11 +275,6 @@ def main(argv=None):
                        "ours_us": try_time(case.ours())}
                 for key, _, kwargs in variants:
                     row[key] = try_time(case.ours(**kwargs))
-                if args.balanced:
-                    buffers = SweepBuffers(batch, shape[0], shape[2], device)
-                    for n in args.balanced:
-                        row[f"ours_balanced{n}_us"] = try_time(case.ours(num_splits=1, balanced_blocks=n,
-                                                                           buffers=buffers))
                 if args.cluster_sweep:
                     buffers = SweepBuffers(batch, shape[0], shape[2], device)
                     cap = planner.max_splits_for(seq_len, ops.MAX_SPLITS)
@@ -298,7 +291,6 @@ def main(argv=None):
                 row["floor_us"] = nbytes / PEAK_BYTES_PER_S * 1e6
                 row["ratio_best"] = min(peers) / ours if ours and peers else None
                 modes = "".join(f", {name} {fmt(row[key])}" for key, name, _ in variants)
-                modes += "".join(f", balanced {n} {fmt(row[f'ours_balanced{n}_us'])}" for n in args.balanced)
                 if args.cluster_sweep:
                     modes += f", cluster sweep {{{', '.join(f'{n}: {fmt(t)}' for n, t in row['cluster_sweep_us'].items())}}}"
                 print(f"{label} B={batch} M={seq_len}: ours {fmt(ours)} us (S={row['num_splits']}){modes}, "
@@ -319,7 +311,6 @@ def main(argv=None):
     plot(rows, out / "bench.png")
     print()
     print(table)
-    variants += [(f"ours_balanced{n}_us", f"balanced {n}", {}) for n in args.balanced]
     for key, name, _ in variants:
         speedups = [r["ours_us"] / r[key] for r in rows if r[key] and r["ours_us"]]
         print(f"{name} against the default: geomean speedup "

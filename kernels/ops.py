@@ -20,8 +20,6 @@ MAX_SPLITS = 256
 HEADS_PER_BLOCK = 16
 MAX_RING_STAGES = 6     # K/V tiles in flight per block; 0 lets the launcher choose (3); more than 3
                         # only applies to a block alone on its SM
-MAX_BALANCED_BLOCKS = 1024  # a balanced grid's most blocks (csrc/flash_decode.cu, "the balanced schedule")
-MAX_BALANCED_RING_STAGES = 5  # its ring, epilogue rows and tile prefix fit in one SM's shared memory
 
 MERGE_LAST_BLOCK = 0    # the last split block of each (sequence, KV head) merges, in the same launch
 MERGE_KERNEL = 1        # a second small kernel
@@ -62,7 +60,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("flashdecode::flash_decode")
     def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits,
                            partial_out, partial_lse, merge_counters, merge_mode=7, min_chunk=256,
-                           spread=False, ring_stages=0, balanced_blocks=0):
+                           spread=False, ring_stages=0):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("flashdecode::write_kv")
@@ -161,7 +159,7 @@ def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_se
 
 
 def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None,
-                      merge_mode=None, min_chunk=None, spread=False, ring_stages=0, balanced_blocks=0):
+                      merge_mode=None, min_chunk=None, spread=False, ring_stages=0):
     """``kernels.flash_decode`` for CUDA tensors; see ``kernels/__init__.py`` for the contract."""
     batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
                                                                                seq_lens)
@@ -189,19 +187,10 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     chunk = planner.MIN_CHUNK if min_chunk is None else int(min_chunk)
     if not 0 <= int(ring_stages) <= MAX_RING_STAGES:
         raise ValueError(f"ring_stages must be in 0..{MAX_RING_STAGES} (0: the launcher's choice), got {ring_stages}")
-    balanced_blocks = int(balanced_blocks)
-    if not 0 <= balanced_blocks <= MAX_BALANCED_BLOCKS:
-        raise ValueError(f"balanced_blocks must be in 0..{MAX_BALANCED_BLOCKS} (0: one block per split), "
-                         f"got {balanced_blocks}")
-    if balanced_blocks and int(ring_stages) > MAX_BALANCED_RING_STAGES:
-        raise ValueError(f"ring_stages of a balanced grid must be in 0..{MAX_BALANCED_RING_STAGES}, got {ring_stages}")
-    if balanced_blocks and not workspace.fits_balanced(batch, num_kv_heads * head_tiles, balanced_blocks):
-        raise ValueError(f"workspace ({workspace.capacity_rows} rows) cannot hold a balanced grid of "
-                         f"{balanced_blocks} blocks at batch {batch}")
     return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, splits,
                                               workspace.partial_out, workspace.partial_lse,
                                               workspace.merge_counters, mode, chunk, bool(spread),
-                                              int(ring_stages), balanced_blocks)
+                                              int(ring_stages))
 
 
 def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):

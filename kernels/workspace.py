@@ -19,7 +19,7 @@ def device_sm_count(device: torch.device) -> int:
 
 class Workspace:
     def __init__(self, max_batch: int, num_q_heads: int, head_dim: int, max_seq_len: int, device,
-                 num_kv_heads: int | None = None, max_splits: int | None = None, balanced_blocks: int = 0):
+                 num_kv_heads: int | None = None, max_splits: int | None = None):
         if max_batch < 1 or num_q_heads < 1 or max_seq_len < 1:
             raise ValueError("max_batch, num_q_heads and max_seq_len must be positive")
         self.device = torch.device(device)
@@ -38,7 +38,6 @@ class Workspace:
         ]
         rows = max(b * self._plan[b] for b in range(1, max_batch + 1))
         rows = max(rows, self.max_splits)           # any batch-1 call may ask for max_splits
-        rows = max(rows, max_batch * work_heads + balanced_blocks)  # a balanced grid of that many blocks
         self.capacity_rows = rows
         self.partial_out = torch.empty(rows, num_q_heads, head_dim, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(rows, num_q_heads, dtype=torch.float32, device=self.device)
@@ -49,10 +48,6 @@ class Workspace:
         if not 1 <= batch <= self.max_batch:
             raise ValueError(f"batch {batch} outside this workspace's 1..{self.max_batch}")
         return self._plan[batch]
-
-    def fits_balanced(self, batch: int, work_heads: int, blocks: int) -> bool:
-        """Room for a balanced grid of ``blocks``: a slot per (sequence, head group) and per block."""
-        return batch <= self.max_batch and batch * work_heads + blocks <= self.capacity_rows
 
     def fits(self, batch: int, num_splits: int) -> bool:
         return batch <= self.max_batch and batch * num_splits <= self.capacity_rows and num_splits <= self.max_splits

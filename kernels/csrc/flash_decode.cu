@@ -259,13 +259,12 @@ __device__ __forceinline__ Work block_work(const DecodeParams& p) {
 
 // ---- merge of split partials ------------------------------------------------------------------
 
-// Output rows [q_head0, q_head0 + rows) of sequence b from the partials in workspace slots
-// [slot0, slot0 + splits). Uses every thread of the block; smem holds rows * splits weights (at
-// most kRows * kMaxSplits) + blockDim.x float4.
+// Output rows [q_head0, q_head0 + rows) of sequence b from its num_splits partials.
+// Uses every thread of the block; smem holds rows * num_splits weights + blockDim.x float4.
 template <typename T, int D>
-__device__ void merge_rows(const DecodeParams& p, int b, int q_head0, int rows, int64_t slot0, int splits,
-                           float* smem) {
-  const int hq = p.num_q_heads;
+__device__ void merge_rows(const DecodeParams& p, int b, int q_head0, int rows, float* smem) {
+  const int splits = p.num_splits, hq = p.num_q_heads;
+  const int64_t slot0 = (int64_t)b * splits;  // the workspace row of split 0
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   float* weights = smem;
   float4* partial = reinterpret_cast<float4*>(smem + kRows * kMaxSplits);
@@ -349,102 +348,6 @@ __device__ void merge_rows(const DecodeParams& p, int b, int q_head0, int rows, 
   }
 }
 
-// ---- the balanced schedule ----------------------------------------------------------------------
-//
-// With p.balanced_blocks = N > 0 the grid is N blocks, one per SM, that share the batch's K/V
-// tiles evenly, instead of one block per (split, head group, sequence): a grid of 192 one-split
-// blocks on 132 SMs leaves 60 SMs with twice the bytes of the others. The tiles are numbered
-// sequence by sequence, and within a sequence head group by head group (an item); block k takes
-// tiles [k T / N, (k + 1) T / N) of the T in all, which cross item boundaries: each piece of an
-// item is a segment. The producer streams the block's tiles through the ring without a break at
-// a segment's end; the consumer warps finish a segment (their epilogue works in shared memory
-// past the ring) while the next segment's tiles land. A segment that is its item's whole writes
-// the output; the others write a partial to workspace slot item + k (unique: along the tiles,
-// item and block never both step back), and the merge kernel combines an item's slots.
-// Everything follows from seq_lens on the device, so one grid serves any lengths (a CUDA
-// graph's replay).
-
-// tiles[b] before sequence b for b in [0, B], and each sequence's length, into shared memory;
-// warp 0 scans, the block waits.
-template <int D>
-__device__ void tile_prefix(const DecodeParams& p, int* prefix, int* lens) {
-  constexpr int kTile = Shape<D>::kTile;
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    int carry = 0;
-    if (lane == 0) prefix[0] = 0;
-    for (int b0 = 0; b0 < p.batch; b0 += 32) {
-      const int b = b0 + lane;
-      const int len = b < p.batch ? min(max(p.seq_lens[b], 0), p.max_blocks * p.block_size) : 0;
-      int sum = (len + kTile - 1) / kTile;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int x = __shfl_up_sync(0xffffffffu, sum, o);
-        if (lane >= o) sum += x;
-      }
-      if (b < p.batch) {
-        prefix[b + 1] = carry + sum;
-        lens[b] = len;
-      }
-      carry += __shfl_sync(0xffffffffu, sum, 31);
-    }
-  }
-  __syncthreads();
-}
-
-// The blocks that take part: no more than there are tiles, so that no range is empty.
-__device__ __forceinline__ int balanced_blocks_for(const DecodeParams& p, int64_t total) {
-  return (int)min((int64_t)p.balanced_blocks, total);
-}
-
-// The block whose tile range holds tile x of total.
-__device__ __forceinline__ int balanced_block_of(int64_t x, int64_t total, int blocks) {
-  return (int)(((x + 1) * blocks + total - 1) / total - 1);
-}
-
-// Head groups per sequence: the items of one sequence.
-__device__ __forceinline__ int items_per_seq(const DecodeParams& p) {
-  return p.num_kv_heads * ((p.num_q_heads / p.num_kv_heads + kRows - 1) / kRows);
-}
-
-// The piece of an item that starts at tile x of a block's range ending before tile end.
-struct Segment {
-  Work w;
-  int64_t item;  // b * items_per_seq + head group
-  int tiles;
-  bool whole;    // the item's every tile
-};
-
-template <int D>
-__device__ __forceinline__ Segment segment_at(const DecodeParams& p, const int* prefix, const int* lens, int64_t x,
-                                              int64_t end) {
-  constexpr int kTile = Shape<D>::kTile;
-  const int per_seq = items_per_seq(p);
-  const int group = p.num_q_heads / p.num_kv_heads, head_tiles = (group + kRows - 1) / kRows;
-  int lo = 0, hi = p.batch;  // the sequence: the last b with prefix[b] * per_seq <= x
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if ((int64_t)prefix[mid] * per_seq <= x) lo = mid;
-    else hi = mid;
-  }
-  Segment s;
-  Work& w = s.w;
-  w.b = lo;
-  const int tiles = prefix[lo + 1] - prefix[lo];
-  const int64_t offset = x - (int64_t)prefix[lo] * per_seq;
-  const int y = (int)(offset / tiles), t0 = (int)(offset % tiles);
-  s.tiles = (int)min((int64_t)(tiles - t0), end - x);
-  s.item = (int64_t)lo * per_seq + y;
-  s.whole = t0 == 0 && s.tiles == tiles;
-  w.kv_head = y / head_tiles;
-  w.q_head0 = w.kv_head * group + (y % head_tiles) * kRows;
-  w.rows = min(kRows, (w.kv_head + 1) * group - w.q_head0);
-  w.len = lens[lo];
-  w.start = t0 * kTile;
-  w.end = min((t0 + s.tiles) * kTile, w.len);
-  return s;
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeParams p) {
   if (p.merge_mode == kMergePdlLate) {  // the next split grid lands on SMs this split grid has left
@@ -454,49 +357,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeParams
     pdl_trigger_then_wait();  // the wait is a no-op unless launched as a PDL dependent
   }
   __shared__ __align__(16) float smem[kRows * kMaxSplits + kMergeThreads * 4];
-  const int b = blockIdx.y, head = blockIdx.x;
-  if (p.balanced_blocks == 0) {
-    merge_rows<T, D>(p, b, head, 1, (int64_t)b * p.num_splits, p.num_splits, smem);
-    return;
-  }
-  // This head's item: its tiles, those before it and all (see "the balanced schedule").
-  __shared__ int counts[3];  // tiles before sequence b, of sequence b, of all sequences
-  if (threadIdx.x < 32) {
-    constexpr int kTile = Shape<D>::kTile;
-    const int cap = p.max_blocks * p.block_size;
-    int before = 0, own = 0, all = 0;
-    for (int i = threadIdx.x; i < p.batch; i += 32) {
-      const int n = (min(max(p.seq_lens[i], 0), cap) + kTile - 1) / kTile;
-      before += i < b ? n : 0;
-      own += i == b ? n : 0;
-      all += n;
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      before += __shfl_xor_sync(0xffffffffu, before, o);
-      own += __shfl_xor_sync(0xffffffffu, own, o);
-      all += __shfl_xor_sync(0xffffffffu, all, o);
-    }
-    if (threadIdx.x == 0) counts[0] = before, counts[1] = own, counts[2] = all;
-  }
-  __syncthreads();
-  const int tiles = counts[1];
-  if (tiles == 0) {  // only for an (invalid) length of 0: zeros, never NaN
-    uint16_t* out = static_cast<uint16_t*>(p.out) + ((int64_t)b * p.num_q_heads + head) * D;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) out[i] = 0;
-    return;
-  }
-  const int group = p.num_q_heads / p.num_kv_heads, head_tiles = (group + kRows - 1) / kRows;
-  const int per_seq = items_per_seq(p);
-  const int y = (head / group) * head_tiles + (head % group) / kRows;
-  const int64_t all = (int64_t)counts[2] * per_seq;
-  const int64_t first = (int64_t)counts[0] * per_seq + (int64_t)y * tiles;
-  const int blocks = balanced_blocks_for(p, all);
-  const int k0 = balanced_block_of(first, all, blocks);
-  const int k1 = balanced_block_of(first + tiles - 1, all, blocks);
-  if (k0 == k1) return;  // one segment: the balanced block wrote the output
-  const int64_t item = (int64_t)b * per_seq + y;
-  merge_rows<T, D>(p, b, head, 1, item + k0, k1 - k0 + 1, smem);
+  merge_rows<T, D>(p, blockIdx.y, blockIdx.x, 1, smem);
 }
 
 // The cluster's leader (split 0) writes the output rows of its (sequence, head group) from the
@@ -543,20 +404,9 @@ struct RingSlot {
   }
 };
 
-// Block ids of pages [w.start / bs, + 64) of the block's sequence, a pair per lane (pages lane and
-// 32 + lane); 0 past the sequence's last page.
-__device__ __forceinline__ int2 first_block_ids(const DecodeParams& p, const Work& w) {
-  const int lane = threadIdx.x % 32, bs = p.block_size;
-  const int pages = (w.len + bs - 1) / bs, base = w.start / bs;
-  const int32_t* table = p.block_table + (int64_t)w.b * p.block_table_stride;
-  return make_int2(base + lane < pages ? __ldg(table + base + lane) : 0,
-                   base + 32 + lane < pages ? __ldg(table + base + 32 + lane) : 0);
-}
-
-// The producer warp's pass over a split: ``ids`` are its first block ids (first_block_ids).
 template <typename T, int D>
 __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
-                                        T* stages, uint64_t* full, uint64_t* empty, int2 ids) {
+                                        T* stages, uint64_t* full, uint64_t* empty) {
   using S = Shape<D>;
   constexpr int kTile = S::kTile;
   const int lane = threadIdx.x % 32;
@@ -574,13 +424,13 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   // Block ids of pages [base, base + 64), one per lane in cur and next; never past the last page.
   int base = w.start / bs;
   auto fetch = [&](int page) { return page < pages ? __ldg(table + page) : 0; };
-  int cur = ids.x, next = ids.y;
+  int cur = fetch(base + lane), next = fetch(base + 32 + lane);
   if (lane == 0) stamp(kTable, cur);
 
   long long waited = 0;
   for (int i = 0; i < n_tiles; ++i, slot.advance()) {
     const int stage = slot.stage;
-    if (slot.round > 0) {  // the stage held an earlier tile (of this segment or one before)
+    if (i >= slot.stages) {
       const long long t = clock_now();
       mbar_wait(&empty[stage], (slot.round - 1) & 1);
       waited += clock_now() - t;
@@ -629,37 +479,29 @@ __device__ __forceinline__ float softmax_step(float& m, float& l, float& a, floa
   return alpha;
 }
 
-// A consumer thread's A fragments of Q (rows r and r + 8 of the block's query heads), held for
-// the whole pass; rows past w.rows are zero.
-template <typename T, int D>
-__device__ __forceinline__ void load_q(const DecodeParams& p, const Work& w, uint4 (&q_lo)[D / 32],
-                                       uint4 (&q_hi)[D / 32]) {
-  const int lane = threadIdx.x % 32, r = lane / 4, qd = lane % 4;
-  const T* q = static_cast<const T*>(p.q) + w.b * p.q_stride_b;
-  const uint4 zero{0, 0, 0, 0};
-#pragma unroll
-  for (int j = 0; j < D / 32; ++j) {
-    const int col = 32 * j + 8 * qd;
-    q_lo[j] = r < w.rows ? __ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r) * p.q_stride_h + col)) : zero;
-    q_hi[j] = r + 8 < w.rows ? __ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r + 8) * p.q_stride_h + col))
-                             : zero;
-  }
-}
-
-// One consumer warp's pass over a split: online softmax state (m, l) per query-head row (this
-// thread's rows r and r + 8) and the output fragments o, unnormalised. Without kHi the block
-// serves at most eight query heads: rows r + 8 are padding and get no softmax work.
+// One consumer warp's pass over the split: online softmax state (m, l) per query-head row
+// (this thread's rows r and r + 8) and the output fragments o, unnormalised. Without kHi the
+// block serves at most eight query heads: rows r + 8 are padding and get no softmax work.
 template <typename T, int D, bool kHi>
 __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
-                                        const T* stages, uint64_t* full, uint64_t* empty,
-                                        const uint4 (&q_lo)[D / 32], const uint4 (&q_hi)[D / 32],
-                                        float (&o)[D / 32][4][4], float& m_lo, float& m_hi, float& l_lo,
-                                        float& l_hi) {
+                                        const T* stages,
+                                        uint64_t* full, uint64_t* empty, float (&o)[D / 32][4][4], float& m_lo,
+                                        float& m_hi, float& l_lo, float& l_hi) {
   using S = Shape<D>;
   constexpr int kTile = S::kTile;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, qd = lane % 4;
+  const T* q = static_cast<const T*>(p.q) + w.b * p.q_stride_b;
   const uint4 zero{0, 0, 0, 0};
+  uint4 q_lo[S::kGroups], q_hi[S::kGroups];
+#pragma unroll
+  for (int j = 0; j < S::kGroups; ++j) {
+    const int col = 32 * j + 8 * qd;
+    q_lo[j] = r < w.rows ? __ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r) * p.q_stride_h + col)) : zero;
+    q_hi[j] = kHi && r + 8 < w.rows
+                  ? __ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r + 8) * p.q_stride_h + col))
+                  : zero;
+  }
   const float scale_log2 = p.scale * kLog2e;
 
   long long waited = 0;
@@ -742,59 +584,90 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
   }
 }
 
-// The consumer warps' epilogue, step 1 (after every consumer warp's (m, l) is in warp_max and
-// warp_sum): rescale each warp's rows to the block's max and normalise them, into
-// o_smem[warp][row][:], and each row's LSE into row_lse.
-template <int D>
-__device__ __forceinline__ void normalise_rows(const Work& w, const float (&o)[D / 32][4][4], float m_lo, float m_hi,
-                                               const float (*warp_max)[kRows], const float (*warp_sum)[kRows],
-                                               float* row_lse, float* o_smem) {
-  using S = Shape<D>;
-  constexpr int kConsumerWarps = S::kConsumerWarps;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r = lane / 4, qd = lane % 4;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    if (half == 1 && w.rows <= 8) break;  // rows r + 8 are padding
-    const int row = r + 8 * half;
-    float mx = kNegInf;
-#pragma unroll
-    for (int k = 0; k < kConsumerWarps; ++k) mx = fmaxf(mx, warp_max[k][row]);
-    const float base = mx == kNegInf ? 0.f : mx;
-    float total = 0.f;
-#pragma unroll
-    for (int k = 0; k < kConsumerWarps; ++k) total += warp_sum[k][row] * exp2_approx(warp_max[k][row] - base);
-    const float factor = total > 0.f ? __fdividef(exp2_approx((half ? m_hi : m_lo) - base), total) : 0.f;
-    if (warp == 0 && qd == 0) row_lse[row] = total > 0.f ? (base + __log2f(total)) * kLn2 : kNegInf;
-    float* dst = o_smem + (warp * kRows + row) * S::kOStride + 8 * qd;
-#pragma unroll
-    for (int j = 0; j < S::kGroups; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        *reinterpret_cast<float2*>(dst + 32 * j + 2 * c) =
-            make_float2(o[j][c][2 * half] * factor, o[j][c][2 * half + 1] * factor);
-  }
-}
-
 // Where a block's rows and LSEs go: the output itself (a grid of one split), a workspace slot for
 // the merge kernel, or the cluster leader's shared memory.
 enum Sink { kToOutput, kToPartial, kToCluster };
 
-// The epilogue, step 2 (threads [0, threads) of the block): the sum of the consumer warps' rows,
-// and the rows' LSEs, to ``sink`` (``slot``: the workspace row for kToPartial; ``recv_lse``: the
-// cluster leader's receive area for kToCluster).
+// Shared memory past a block's ring (and past the epilogue, which reuses the first stages).
+__device__ __forceinline__ int past_ring(const DecodeParams& p) { return max(p.ring_stages, kStages) * kStageBytes; }
+
+// One block's attention over tokens [w.start, w.end) of one (sequence, head group): the K/V ring
+// (producer warp and consumer warps), then the epilogue that combines the consumer warps and
+// writes the rows and their LSEs to ``sink`` (``slot``: the workspace row for kToPartial). Every
+// thread of the block calls it.
 template <typename T, int D>
-__device__ __forceinline__ void store_rows(const DecodeParams& p, const Work& w, Sink sink, int64_t slot,
-                                           const float* o_smem, const float* row_lse, float* recv_lse, int threads) {
+__device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sink sink, int64_t slot, RingSlot& ring,
+                                       uint8_t* smem, uint64_t* full, uint64_t* empty) {
   using S = Shape<D>;
-  constexpr int kCols = D / 4;
+  constexpr int kTile = S::kTile, kConsumerWarps = S::kConsumerWarps, kThreads = S::kThreads;
+  __shared__ float warp_max[kConsumerWarps][kRows], warp_sum[kConsumerWarps][kRows];
+  __shared__ float row_lse[kRows];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = lane / 4, qd = lane % 4;
+  const bool consumer = warp != S::kProducerWarp;
   const int hq = p.num_q_heads;
+  T* stages = reinterpret_cast<T*>(smem);
+  float* o_smem = reinterpret_cast<float*>(smem);
+  const int n_tiles = (w.end - w.start + kTile - 1) / kTile;
+
+  float o[S::kGroups][4][4];
+#pragma unroll
+  for (int j = 0; j < S::kGroups; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o[j][c][0] = o[j][c][1] = o[j][c][2] = o[j][c][3] = 0.f;
+  float m_lo = kNegInf, m_hi = kNegInf, l_lo = 0.f, l_hi = 0.f;
+  if (consumer) {
+    if (w.rows > 8)
+      consume<T, D, true>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+    else
+      consume<T, D, false>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+    if (qd == 0) {
+      warp_max[warp][r] = m_lo;
+      warp_max[warp][r + 8] = m_hi;
+      warp_sum[warp][r] = l_lo;
+      warp_sum[warp][r + 8] = l_hi;
+    }
+  } else {
+    produce<T, D>(p, w, n_tiles, ring, stages, full, empty);
+  }
+  __syncthreads();  // every consumer's state is in and every stage is drained
+  if (threadIdx.x == 0) stamp(kSynced);
+
+  if (consumer) {  // rescale to the block's max and normalise, into o_smem[warp][row][:]
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (half == 1 && w.rows <= 8) break;  // rows r + 8 are padding
+      const int row = r + 8 * half;
+      float mx = kNegInf;
+#pragma unroll
+      for (int k = 0; k < kConsumerWarps; ++k) mx = fmaxf(mx, warp_max[k][row]);
+      const float base = mx == kNegInf ? 0.f : mx;
+      float total = 0.f;
+#pragma unroll
+      for (int k = 0; k < kConsumerWarps; ++k) total += warp_sum[k][row] * exp2_approx(warp_max[k][row] - base);
+      const float factor = total > 0.f ? __fdividef(exp2_approx((half ? m_hi : m_lo) - base), total) : 0.f;
+      if (warp == 0 && qd == 0) row_lse[row] = total > 0.f ? (base + __log2f(total)) * kLn2 : kNegInf;
+      float* dst = o_smem + (warp * kRows + row) * S::kOStride + 8 * qd;
+#pragma unroll
+      for (int j = 0; j < S::kGroups; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          *reinterpret_cast<float2*>(dst + 32 * j + 2 * c) =
+              make_float2(o[j][c][2 * half] * factor, o[j][c][2 * half + 1] * factor);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) stamp(kReduced);
+  if (sink == kToCluster) cluster_wait_started();
+
+  float* recv_lse = reinterpret_cast<float*>(smem + past_ring(p));
   float* recv_rows = recv_lse + kMaxClusterSplits * kRows;
-  for (int idx = threadIdx.x; idx < w.rows * kCols; idx += threads) {
+  constexpr int kCols = D / 4;
+  for (int idx = threadIdx.x; idx < w.rows * kCols; idx += kThreads) {
     const int row = idx / kCols, col = idx % kCols;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int k = 0; k < S::kConsumerWarps; ++k) {
+    for (int k = 0; k < kConsumerWarps; ++k) {
       const float4 x = *reinterpret_cast<const float4*>(o_smem + (k * kRows + row) * S::kOStride + 4 * col);
       acc.x += x.x;
       acc.y += x.y;
@@ -817,147 +690,6 @@ __device__ __forceinline__ void store_rows(const DecodeParams& p, const Work& w,
   }
 }
 
-// Shared memory past a block's ring (and past the split kernel's epilogue, which reuses the first
-// stages).
-__host__ __device__ __forceinline__ int past_ring_bytes(const DecodeParams& p) {
-  return max(p.ring_stages, kStages) * kStageBytes;
-}
-
-// One block's attention over tokens [w.start, w.end) of one (sequence, head group): the K/V ring
-// (producer warp and consumer warps), then the epilogue that combines the consumer warps and
-// writes the rows and their LSEs to ``sink`` (``slot``: the workspace row for kToPartial). Every
-// thread of the block calls it.
-template <typename T, int D>
-__device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sink sink, int64_t slot, RingSlot& ring,
-                                       uint8_t* smem, uint64_t* full, uint64_t* empty) {
-  using S = Shape<D>;
-  constexpr int kTile = S::kTile, kConsumerWarps = S::kConsumerWarps;
-  __shared__ float warp_max[kConsumerWarps][kRows], warp_sum[kConsumerWarps][kRows];
-  __shared__ float row_lse[kRows];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r = lane / 4, qd = lane % 4;
-  const bool consumer = warp != S::kProducerWarp;
-  T* stages = reinterpret_cast<T*>(smem);
-  float* o_smem = reinterpret_cast<float*>(smem);
-  const int n_tiles = (w.end - w.start + kTile - 1) / kTile;
-
-  float o[S::kGroups][4][4];
-#pragma unroll
-  for (int j = 0; j < S::kGroups; ++j)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) o[j][c][0] = o[j][c][1] = o[j][c][2] = o[j][c][3] = 0.f;
-  float m_lo = kNegInf, m_hi = kNegInf, l_lo = 0.f, l_hi = 0.f;
-  if (consumer) {
-    uint4 q_lo[S::kGroups], q_hi[S::kGroups];
-    load_q<T, D>(p, w, q_lo, q_hi);
-    if (w.rows > 8)
-      consume<T, D, true>(p, w, n_tiles, ring, stages, full, empty, q_lo, q_hi, o, m_lo, m_hi, l_lo, l_hi);
-    else
-      consume<T, D, false>(p, w, n_tiles, ring, stages, full, empty, q_lo, q_hi, o, m_lo, m_hi, l_lo, l_hi);
-    if (qd == 0) {
-      warp_max[warp][r] = m_lo;
-      warp_max[warp][r + 8] = m_hi;
-      warp_sum[warp][r] = l_lo;
-      warp_sum[warp][r + 8] = l_hi;
-    }
-  } else {
-    produce<T, D>(p, w, n_tiles, ring, stages, full, empty, first_block_ids(p, w));
-  }
-  __syncthreads();  // every consumer's state is in and every stage is drained
-  if (threadIdx.x == 0) stamp(kSynced);
-  if (consumer) normalise_rows<D>(w, o, m_lo, m_hi, warp_max, warp_sum, row_lse, o_smem);
-  __syncthreads();
-  if (threadIdx.x == 0) stamp(kReduced);
-  if (sink == kToCluster) cluster_wait_started();
-  store_rows<T, D>(p, w, sink, slot, o_smem, row_lse, reinterpret_cast<float*>(smem + past_ring_bytes(p)), S::kThreads);
-}
-
-// Named barrier 1: the consumer warps only (the producer runs ahead in the balanced schedule).
-template <int D>
-__device__ __forceinline__ void consumer_sync() {
-  asm volatile("bar.sync 1, %0;" ::"n"(Shape<D>::kConsumerWarps * 32) : "memory");
-}
-
-// Bytes a balanced block keeps past its ring: the consumers' epilogue rows, then the tile prefix.
-template <int D>
-constexpr int balanced_epilogue_bytes() {
-  return Shape<D>::kConsumerWarps * kRows * Shape<D>::kOStride * 4;
-}
-
-// A balanced block (see "the balanced schedule"): the producer walks the block's segments and
-// streams their tiles back to back; each consumer warp walks them too, with the next segment's
-// Q in flight during the epilogue of the last.
-template <typename T, int D>
-__device__ void attend_balanced(const DecodeParams& p, RingSlot& ring, uint8_t* smem, uint64_t* full,
-                                uint64_t* empty) {
-  using S = Shape<D>;
-  constexpr int kConsumerWarps = S::kConsumerWarps;
-  __shared__ float warp_max[kConsumerWarps][kRows], warp_sum[kConsumerWarps][kRows];
-  __shared__ float row_lse[kRows];
-  T* stages = reinterpret_cast<T*>(smem);
-  float* o_smem = reinterpret_cast<float*>(smem + past_ring_bytes(p));
-  int* prefix = reinterpret_cast<int*>(smem + past_ring_bytes(p) + balanced_epilogue_bytes<D>());
-  int* lens = prefix + p.batch + 1;
-  tile_prefix<D>(p, prefix, lens);  // its block barrier also publishes the ring's barriers
-
-  const int k = blockIdx.x;
-  const int64_t total = (int64_t)prefix[p.batch] * items_per_seq(p);
-  const int blocks = balanced_blocks_for(p, total);
-  if (k >= blocks) return;
-  const int64_t begin = total * k / blocks, end = total * (k + 1) / blocks;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r = lane / 4, qd = lane % 4;
-
-  if (warp == S::kProducerWarp) {  // the next segment's block ids load while this one streams
-    Segment seg = segment_at<D>(p, prefix, lens, begin, end);
-    int2 ids = first_block_ids(p, seg.w);
-    for (int64_t x = begin; x < end;) {
-      const Segment now = seg;
-      const int2 now_ids = ids;
-      x += now.tiles;
-      if (x < end) {
-        seg = segment_at<D>(p, prefix, lens, x, end);
-        ids = first_block_ids(p, seg.w);
-      }
-      produce<T, D>(p, now.w, now.tiles, ring, stages, full, empty, now_ids);
-    }
-    return;
-  }
-  Segment seg = segment_at<D>(p, prefix, lens, begin, end);
-  uint4 q_lo[S::kGroups], q_hi[S::kGroups];
-  load_q<T, D>(p, seg.w, q_lo, q_hi);
-  for (int64_t x = begin; x < end;) {
-    float o[S::kGroups][4][4];
-#pragma unroll
-    for (int j = 0; j < S::kGroups; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) o[j][c][0] = o[j][c][1] = o[j][c][2] = o[j][c][3] = 0.f;
-    float m_lo = kNegInf, m_hi = kNegInf, l_lo = 0.f, l_hi = 0.f;
-    if (seg.w.rows > 8)
-      consume<T, D, true>(p, seg.w, seg.tiles, ring, stages, full, empty, q_lo, q_hi, o, m_lo, m_hi, l_lo, l_hi);
-    else
-      consume<T, D, false>(p, seg.w, seg.tiles, ring, stages, full, empty, q_lo, q_hi, o, m_lo, m_hi, l_lo, l_hi);
-    const Segment done = seg;
-    x += done.tiles;
-    if (x < end) {  // the next segment's Q loads while this one's epilogue runs
-      seg = segment_at<D>(p, prefix, lens, x, end);
-      load_q<T, D>(p, seg.w, q_lo, q_hi);
-    }
-    if (qd == 0) {
-      warp_max[warp][r] = m_lo;
-      warp_max[warp][r + 8] = m_hi;
-      warp_sum[warp][r] = l_lo;
-      warp_sum[warp][r + 8] = l_hi;
-    }
-    consumer_sync<D>();  // every warp's state is in (and the last epilogue's rows are read)
-    normalise_rows<D>(done.w, o, m_lo, m_hi, warp_max, warp_sum, row_lse, o_smem);
-    consumer_sync<D>();
-    const int64_t slot = done.item + k;
-    store_rows<T, D>(p, done.w, done.whole ? kToOutput : kToPartial, slot, o_smem, row_lse, nullptr,
-                     kConsumerWarps * 32);
-  }
-}
-
 // The ring's barriers: a full barrier per stage (the producer's byte count) and an empty one (every
 // consumer warp's release). Thread 0 initialises them; a block barrier must follow.
 template <int D>
@@ -969,18 +701,6 @@ __device__ __forceinline__ void init_ring(const DecodeParams& p, uint64_t* full,
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-}
-
-// The balanced schedule's grid (its own kernel: one block per SM, so the segment walk's state
-// costs the split kernel no registers). Its merge kernel runs as a PDL dependent, let in at once.
-template <typename T, int D>
-__global__ void __launch_bounds__(Shape<D>::kThreads, 1) balanced_kernel(const DecodeParams p) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ uint64_t full[kMaxStages], empty[kMaxStages];
-  pdl_trigger_then_wait();
-  init_ring<D>(p, full, empty);
-  RingSlot ring(p.ring_stages);
-  attend_balanced<T, D>(p, ring, smem, full, empty);
 }
 
 template <typename T, int D>
@@ -1018,7 +738,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   } else if (cluster) {  // an empty split contributes lse = -inf and no output
     cluster_wait_started();
     if (threadIdx.x < w.rows)
-      cluster_store(cluster_addr(reinterpret_cast<float*>(smem + past_ring_bytes(p)) + blockIdx.x * kRows + threadIdx.x, 0),
+      cluster_store(cluster_addr(reinterpret_cast<float*>(smem + past_ring(p)) + blockIdx.x * kRows + threadIdx.x, 0),
                     kNegInf);
   } else if (threadIdx.x < w.rows) {
     p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = kNegInf;
@@ -1034,7 +754,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
     }
     cluster_wait();
     if (threadIdx.x == 0) stamp(kClusterSynced);
-    const float* recv_lse = reinterpret_cast<const float*>(smem + past_ring_bytes(p));
+    const float* recv_lse = reinterpret_cast<const float*>(smem + past_ring(p));
     cluster_merge<T, D>(p, w, recv_lse, recv_lse + kMaxClusterSplits * kRows);
     if (threadIdx.x == 0) stamp(kMerged);
     if (threadIdx.x == 0) stamp(kExit);
@@ -1055,7 +775,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  merge_rows<T, D>(p, w.b, w.q_head0, w.rows, (int64_t)w.b * splits, splits, reinterpret_cast<float*>(smem));
+  merge_rows<T, D>(p, w.b, w.q_head0, w.rows, reinterpret_cast<float*>(smem));
 }
 
 // ---- launchers ---------------------------------------------------------------------------------
@@ -1113,7 +833,6 @@ bool cluster_fits(int splits) {
 template <typename T, int D>
 cudaError_t launch_split(const DecodeParams& p, dim3 grid, int smem_bytes, bool cluster, bool pdl,
                          cudaStream_t stream) {
-  auto kernel = p.balanced_blocks > 0 ? balanced_kernel<T, D> : split_kernel<T, D>;
   using S = Shape<D>;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
@@ -1136,33 +855,21 @@ cudaError_t launch_split(const DecodeParams& p, dim3 grid, int smem_bytes, bool 
   }
   config.attrs = attr;
   config.numAttrs = n;
-  return cudaLaunchKernelEx(&config, kernel, p);
+  return cudaLaunchKernelEx(&config, split_kernel<T, D>, p);
 }
 
 template <typename T, int D>
 cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   using S = Shape<D>;
-  static uint64_t smem_raised = 0, balanced_smem_raised = 0;
+  static uint64_t smem_raised = 0;
   cudaError_t err = allow_dynamic_smem(split_kernel<T, D>, kMaxSmemBytes, smem_raised);
-  if (err == cudaSuccess) err = allow_dynamic_smem(balanced_kernel<T, D>, kMaxSmemBytes, balanced_smem_raised);
   if (err != cudaSuccess) return err;
   DecodeParams p = params;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int head_tiles = (group + kRows - 1) / kRows;
-  const int sms = sm_count();
-  if (p.balanced_blocks > 0) {
-    // Ring, epilogue rows and tile prefix take over half an SM's shared memory: one block per SM.
-    // The merge kernel is a PDL dependent that lets the next grid in late.
-    p.merge_mode = kMergePdlLate;
-    p.ring_stages = p.ring_stages > 0 ? p.ring_stages : kStages;
-    const int smem = past_ring_bytes(p) + balanced_epilogue_bytes<D>() + 4 * (2 * p.batch + 1);
-    if (smem > kMaxSmemBytes) return cudaErrorInvalidValue;  // too deep a ring for so large a batch
-    err = launch_split<T, D>(p, dim3(p.balanced_blocks), smem, false, true, stream);
-    if (err != cudaSuccess) return err;
-    return launch_pdl(merge_kernel<T, D>, dim3(p.num_q_heads, p.batch), dim3(kMergeThreads), 0, stream, p);
-  }
   const dim3 grid(p.num_splits, p.num_kv_heads * head_tiles, p.batch);
   const int64_t blocks = (int64_t)grid.x * grid.y * grid.z;
+  const int sms = sm_count();
   if (p.merge_mode == kMergeAuto) {
     // PDL with the late trigger everywhere, which needs a one-wave grid spread one block per SM
     // (else the early-placed blocks doubled up on some SMs: 10-14 % slower). A cluster merge
@@ -1177,7 +884,7 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   // stages (a deeper ring measured no faster: NOTES.md); a cluster leader receives past it.
   const bool alone = cluster_mode || (p.spread && blocks <= sms);
   p.ring_stages = p.ring_stages > 0 && alone ? p.ring_stages : p.ring_stages > 0 ? min(p.ring_stages, kStages) : kStages;
-  const int past = past_ring_bytes(p);
+  const int past = max(p.ring_stages, kStages) * kStageBytes;
   const int rows = group < kRows ? group : kRows;
   const int recv_bytes = kRecvLseBytes + p.num_splits * rows * D * 4;
   const bool cluster = cluster_mode && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&

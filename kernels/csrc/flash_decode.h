@@ -43,11 +43,6 @@ struct DecodeParams {
                                   // memory that no SM can take two of its blocks
   int ring_stages;                // K/V tiles in flight per block, 1..kMaxRingStages; 0: the launcher's
                                   // choice (3). More than 3 only where a block is alone on its SM.
-  int balanced_blocks;            // > 0: a grid of this many blocks shares the batch's K/V tiles
-                                  // evenly, streaming across item boundaries (flash_decode.cu, "the
-                                  // balanced schedule"), merged by the merge kernel; num_splits and
-                                  // merge_mode are then unused. It needs B * Hkv * ceil(G / 16) +
-                                  // balanced_blocks workspace rows.
 };
 
 struct WriteKvParams {
@@ -65,10 +60,6 @@ struct WriteKvParams {
 
 // Deepest ring of K/V stages a block may ask for (deeper than 3 only where it is alone on its SM).
 constexpr int kMaxRingStages = 6;
-// Most blocks a balanced grid may have (one item's merge then fits the merge kernel's weights).
-constexpr int kMaxBalancedBlocks = 1024;
-// Deepest ring of a balanced block (its epilogue rows and tile prefix lie past the ring).
-constexpr int kMaxBalancedRingStages = 5;
 // Largest split count a launch accepts (bounds the merge's shared memory).
 constexpr int kMaxSplits = 256;
 // Most splits one cluster merge serves (a non-portable cluster size on Hopper); more use the kernel.

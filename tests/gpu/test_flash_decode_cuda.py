@@ -87,7 +87,7 @@ def poison(workspace, out_shape, dtype):
 
 
 def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, num_splits=None, workspace=None,
-                         seed=None, min_chunk=None, merge_mode=None, spread=False, ring_stages=0, balanced_blocks=0):
+                         seed=None, min_chunk=None, merge_mode=None, spread=False, ring_stages=0):
     k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, head_dim, block_size, dtype)
     batch = len(lengths)
     q = torch.randn(batch, num_q, head_dim, device=DEVICE, dtype=dtype)
@@ -96,13 +96,13 @@ def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, nu
         workspace = kernels.Workspace(batch, num_q, head_dim, table.shape[1] * block_size, DEVICE,
                                       num_kv_heads=num_kv)
     poison(workspace, q.shape, dtype)
-    if min_chunk is None and merge_mode is None and not spread and not ring_stages and not balanced_blocks:
+    if min_chunk is None and merge_mode is None and not spread and not ring_stages:
         out = kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace,
                                    num_splits=num_splits)
     else:  # another merge mode, or smaller device-side chunks: more non-empty splits to merge
         out = ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace,
                                     num_splits=num_splits, min_chunk=min_chunk, merge_mode=merge_mode,
-                                    spread=spread, ring_stages=ring_stages, balanced_blocks=balanced_blocks)
+                                    spread=spread, ring_stages=ring_stages)
     ref = oracle(q, k_cache, v_cache, table, seq_lens, scale)
     plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale)
     err = (out.double() - ref).abs().max().item()
@@ -231,51 +231,6 @@ def test_ring_depths(shape, num_splits, merge_mode, spread, fresh_seed):
         assert torch.equal(out, outs[0]), f"ring {ring} differs from the launcher's choice"
 
 
-@pytest.mark.parametrize("blocks", [1, 7, 132, 264, 1024])
-@pytest.mark.parametrize("batch", [1, 5, 64])
-@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128), (20, 1, 64)])
-def test_balanced_schedule(shape, batch, blocks, fresh_seed):
-    """Blocks share the batch's tiles evenly, so their ranges cut sequences anywhere: whole items,
-    items over many blocks, blocks over many items, lengths of 1 and past a tile."""
-    num_q, num_kv, dim = shape
-    lengths = torch.randint(1, 6000, (batch,)).tolist()
-    lengths[0] = 1
-    if batch > 2:
-        lengths[1], lengths[2] = 129, 20000
-    work_heads = num_kv * -(-(num_q // num_kv) // ops.HEADS_PER_BLOCK)
-    ws = kernels.Workspace(batch, num_q, dim, max(lengths) + 64, DEVICE, num_kv_heads=num_kv, balanced_blocks=blocks)
-    assert ws.fits_balanced(batch, work_heads, blocks)
-    for ring in (0, 1, ops.MAX_BALANCED_RING_STAGES):
-        check_against_oracle(lengths, num_q, num_kv, dim, 32, torch.bfloat16, workspace=ws, seed=fresh_seed,
-                             balanced_blocks=blocks, ring_stages=ring)
-
-
-def test_balanced_graph_replay_equals_eager():
-    batch, num_q, num_kv, dim, bs, blocks = 6, 32, 8, 128, 32, 264
-    k_cache, v_cache, table, seq_lens = make_paged([9000] * batch, num_kv, dim, bs, torch.bfloat16)
-    ws = kernels.Workspace(batch, num_q, dim, table.shape[1] * bs, DEVICE, num_kv_heads=num_kv, balanced_blocks=blocks)
-    q = torch.randn(batch, num_q, dim, device=DEVICE, dtype=torch.bfloat16)
-
-    def step():
-        return ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, balanced_blocks=blocks)
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for _ in range(3):  # new lengths move every block's range; the grid stays
-        seq_lens.copy_(torch.randint(1, 9000, (batch,), dtype=torch.int32))
-        q.copy_(torch.randn_like(q))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = step()
-        assert torch.equal(out, eager)
-        ref = oracle(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
-        plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
-        assert (out.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
-
-
 @pytest.mark.parametrize("merge_mode", [ops.MERGE_KERNEL_PDL, ops.MERGE_PDL_LATE, ops.MERGE_CLUSTER_PDL, None])
 def test_graph_replay_equals_eager(merge_mode):
     batch, num_q, num_kv, dim, bs = 6, 9, 3, 64, 16
@@ -369,14 +324,6 @@ def test_rejects_unsupported_inputs():
     for ring in (-1, ops.MAX_RING_STAGES + 1):
         with pytest.raises(ValueError, match="ring_stages"):
             ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, ring_stages=ring)
-    with pytest.raises(ValueError, match="ring_stages of a balanced grid"):
-        ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, balanced_blocks=8,
-                              ring_stages=ops.MAX_BALANCED_RING_STAGES + 1)
-    with pytest.raises(ValueError, match="balanced_blocks"):
-        ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, balanced_blocks=ops.MAX_BALANCED_BLOCKS + 1)
-    small = kernels.Workspace(2, 4, 64, 64, DEVICE, num_kv_heads=2)
-    with pytest.raises(ValueError, match="balanced grid"):
-        ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=small, balanced_blocks=500)
 
 
 def test_no_host_sync_and_no_allocation_but_output():
