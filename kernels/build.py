@@ -21,6 +21,11 @@ EXTENSION_NAME = "flashdecode_ext"
 ARCH_FLAGS = ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
 NVCC_FLAGS = ["-O3", "-lineinfo", *ARCH_FLAGS]
 CXX_FLAGS = ["-O3"]
+# A host compiler that links its C++ runtime statically (the GPU image's /opt/gcc does) would
+# otherwise export that copy's symbols, and the process binds some of them to the system
+# libstdc++ that torch loaded: formatting a number in an error message then crashed. Hidden, the
+# copy serves this library alone; with a shared runtime the flag changes nothing.
+LD_FLAGS = ["-Wl,--exclude-libs,ALL"]
 MIN_CAPABILITY = (9, 0)
 
 
@@ -83,7 +88,7 @@ def load_extension(verbose: bool = False, require_device: bool = True, timeline:
         build_dir.mkdir(parents=True, exist_ok=True)
         define = ["-DFLASHDECODE_TIMELINE"] if timeline else []
         load(name=EXTENSION_NAME + ("_timeline" if timeline else ""), sources=[str(CSRC / s) for s in SOURCES],
-             extra_cflags=CXX_FLAGS + define, extra_cuda_cflags=NVCC_FLAGS + define,
+             extra_cflags=CXX_FLAGS + define, extra_cuda_cflags=NVCC_FLAGS + define, extra_ldflags=LD_FLAGS,
              extra_include_paths=[str(CSRC)], build_directory=str(build_dir), is_python_module=False,
              verbose=verbose)
         _loaded_path = str(build_dir)

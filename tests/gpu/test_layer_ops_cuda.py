@@ -155,6 +155,13 @@ def test_gemv_with_silu_and_mul_input(rows, n, k, dtype):
 
 
 RAW_OP_ERRORS = {
+    "flash-decode-head-dim-96": ("q = torch.randn(1, 4, 96, device='cuda', dtype=torch.bfloat16)\n"
+                                 "kc = torch.randn(2, 2, 16, 96, device='cuda', dtype=torch.bfloat16)\n"
+                                 "i32 = dict(device='cuda', dtype=torch.int32)\n"
+                                 "po = torch.empty(4, 4, 96, device='cuda'); pl = torch.empty(4, 4, device='cuda')\n"
+                                 "call = lambda: torch.ops.flashdecode.flash_decode(q, kc, kc, torch.tensor([[0, 1]], **i32), "
+                                 "torch.tensor([20], **i32), 0.1, 1, po, pl, torch.zeros(4, **i32))\n",
+                                 "head_dim must be 64 or 128, got 96"),
     "gemv-too-many-rows": ("x = torch.randn(5, 64, device='cuda', dtype=torch.bfloat16)\n"
                            "w = torch.randn(32, 64, device='cuda', dtype=torch.bfloat16)\n"
                            "call = lambda: torch.ops.flashdecode.gemv(x, w, False)\n", "at most"),
@@ -164,9 +171,6 @@ RAW_OP_ERRORS = {
 }
 
 
-@pytest.mark.xfail(reason="on the H200 host a failed TORCH_CHECK inside the extension segfaults instead of "
-                          "raising (kernels/NOTES.md, open); the Python entry points never pass such input",
-                   strict=False)
 @pytest.mark.parametrize("case", sorted(RAW_OP_ERRORS))
 def test_raw_op_refuses_bad_input_with_an_error(case):
     # In a child process: a crash there must fail this test, not the whole run.
