@@ -75,19 +75,22 @@ def check_device(device: torch.device) -> None:
 _loaded_path: str | None = None
 
 
-def load_extension(verbose: bool = False, require_device: bool = True, timeline: bool = False) -> str:
+def load_extension(verbose: bool = False, require_device: bool = True, timeline: bool = False,
+                   copy_only: bool = False) -> str:
     """Build (first time) and load the library that registers ``torch.ops.flashdecode``.
     ``require_device=False`` builds where no GPU is visible (an image build, say). ``timeline``
-    builds the diagnostic variant instead (``kernels/timeline.py``); a process holds one variant,
+    builds the diagnostic variant instead (``kernels/timeline.py``), and ``copy_only`` its
+    variant whose consumers skip the arithmetic (wrong output); a process holds one variant,
     the first it loads."""
     global _loaded_path
     if _loaded_path is None:
         check_toolchain(require_device)
         from torch.utils.cpp_extension import load
-        build_dir = cache_dir() / "timeline" if timeline else cache_dir()
+        tags = (["timeline"] if timeline else []) + (["copy_only"] if timeline and copy_only else [])
+        build_dir = cache_dir() / "_".join(tags) if tags else cache_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
-        define = ["-DFLASHDECODE_TIMELINE"] if timeline else []
-        load(name=EXTENSION_NAME + ("_timeline" if timeline else ""), sources=[str(CSRC / s) for s in SOURCES],
+        define = [f"-DFLASHDECODE_{tag.upper()}" for tag in tags]
+        load(name="_".join([EXTENSION_NAME, *tags]), sources=[str(CSRC / s) for s in SOURCES],
              extra_cflags=CXX_FLAGS + define, extra_cuda_cflags=NVCC_FLAGS + define, extra_ldflags=LD_FLAGS,
              extra_include_paths=[str(CSRC)], build_directory=str(build_dir), is_python_module=False,
              verbose=verbose)

@@ -27,7 +27,8 @@ STAGES = ("waited", "length", "table", "first_tile", "loop_done", "synced", "red
 ENTRY, EXIT, ENTRY_NS, EXIT_NS, CONSUMER_WAITS, PRODUCER_WAITS = 0, 11, 12, 13, 14, 15
 WAITS = ("consumer_wait", "producer_wait")
 CASES = (((9, 3, 64), 1, 512), ((9, 3, 64), 1, 4096), ((9, 3, 64), 1, 32768), ((9, 3, 64), 8, 4096),
-         ((9, 3, 64), 64, 512), ((32, 8, 128), 1, 4096), ((32, 8, 128), 8, 512), ((32, 8, 128), 8, 4096))
+         ((9, 3, 64), 64, 512), ((32, 8, 128), 1, 4096), ((32, 8, 128), 8, 512), ((32, 8, 128), 8, 4096),
+         ((9, 3, 64), 8, 32768), ((9, 3, 64), 64, 4096))
 
 
 def one_call(call, blocks, flush):
@@ -54,9 +55,12 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ring-stages", type=int, default=0, help="ring depth to run (0: the launcher's choice)")
+    parser.add_argument("--copy-only", action="store_true",
+                        help="consumers release every tile unread (wrong output): what the memory path, the "
+                             "epilogue and the merge cost without the arithmetic")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    build.load_extension(timeline=True)
+    build.load_extension(timeline=True, copy_only=args.copy_only)
     ops.load(device)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     rows = []

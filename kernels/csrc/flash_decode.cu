@@ -97,6 +97,14 @@ __device__ __forceinline__ long long clock_now() { return 0; }
 __device__ __forceinline__ void record(Stamp, long long) {}
 #endif
 
+// Diagnostic (kernels.timeline --copy-only): the consumers release every tile unread, so a call
+// costs the memory path, the epilogue and the merge alone; its output is wrong.
+#ifdef FLASHDECODE_COPY_ONLY
+constexpr bool kCopyOnly = true;
+#else
+constexpr bool kCopyOnly = false;
+#endif
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -514,7 +522,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
     if (i == 0 && warp == 0 && lane == 0) stamp(kFirstTile);
     const T* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * kWarpTokens * D;
     const T* v_tile = k_tile + kTile * D;
-    if (t_warp >= w.end) {
+    if (t_warp >= w.end || kCopyOnly) {
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[stage]);
       continue;
