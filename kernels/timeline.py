@@ -10,7 +10,10 @@ rarely waits is what sets the pace, not the memory. For each case it makes the L
 the default launch plan, and prints the median over blocks of each stage's time since the block
 began, beside the call's time under CUDA-graph replay (bench.py's method, same build) and the
 span from the first block's entry to the last block's exit. What is left of the graph time
-after the span is launch, drain and, with more than 16 splits, the merge kernel.
+after the span is launch, drain and, with more than 16 splits, the merge kernel. ``--warm``
+reads the stamps of the last call of a replayed graph instead: calls back to back, as bench.py
+times them. ``--copy-only`` runs a variant whose consumers release every tile unread (wrong
+output): what the memory path and the fixed costs take without the arithmetic.
 """
 
 import argparse
@@ -36,6 +39,32 @@ def one_call(call, blocks, flush):
     flush.zero_()
     call()
     torch.cuda.synchronize()
+    return read_stamps(blocks)
+
+
+def last_of_graph(graph, blocks):
+    """The stamps of the last call of a replayed graph of calls: warm, with its predecessor's
+    tail overlapping its start (PDL), as under bench.py's timing."""
+    torch.ops.flashdecode.read_timeline(True)
+    graph.replay()
+    torch.cuda.synchronize()
+    return read_stamps(blocks)
+
+
+def capture(calls, n=24):
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def read_stamps(blocks):
     stamps = torch.ops.flashdecode.read_timeline(False)[:blocks].tolist()
     ran = [s for s in stamps if s[EXIT]]
     # %globaltimer ticks coarsely: the clock rate from all blocks together
@@ -55,6 +84,9 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="also write the rows as JSON here")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ring-stages", type=int, default=0, help="ring depth to run (0: the launcher's choice)")
+    parser.add_argument("--warm", action="store_true",
+                        help="stamps of the last call of a replayed graph of calls (warm L2 for the tables, the "
+                             "previous call's tail overlapping) instead of one call after a cold L2")
     parser.add_argument("--copy-only", action="store_true",
                         help="consumers release every tile unread (wrong output): what the memory path, the "
                              "epilogue and the merge cost without the arithmetic")
@@ -73,7 +105,12 @@ def main(argv=None):
         blocks = min(splits * shape[1] * -(-(shape[0] // shape[1]) // ops.HEADS_PER_BLOCK) * batch, 4096)
         calls = case.ours(ring_stages=args.ring_stages)
         graph_us = bench.time_per_call_us(calls)
-        runs = [one_call(calls[i % len(calls)], blocks, flush) for i in range(args.repeats)]
+        if args.warm:
+            graph = capture(calls)
+            runs = [last_of_graph(graph, blocks) for _ in range(args.repeats)]
+            del graph
+        else:
+            runs = [one_call(calls[i % len(calls)], blocks, flush) for i in range(args.repeats)]
         stages = {n: statistics.median(r[0][n] for r in runs) for n in STAGES + WAITS}
         span = statistics.median(r[1] for r in runs)
         label = f"{'/'.join(map(str, shape))} B={batch} M={seq_len}"
