@@ -44,10 +44,8 @@ def kv_bytes(batch, num_kv_heads, seq_len, head_dim, elem=2):
     return 2 * batch * num_kv_heads * seq_len * head_dim * elem
 
 
-def time_per_call_us(calls, target_s=0.15):
-    """Median GPU time per call of ``calls`` (rotated) replayed from one CUDA graph."""
-    n = max(MIN_CALLS_PER_GRAPH, len(calls))
-    n = -(-n // len(calls)) * len(calls)
+def capture_calls(calls, n):
+    """One CUDA graph of ``n`` calls, rotating over ``calls`` (each run once eagerly first)."""
     for call in calls:
         call()
     torch.cuda.synchronize()
@@ -55,6 +53,14 @@ def time_per_call_us(calls, target_s=0.15):
     with torch.cuda.graph(graph):
         for i in range(n):
             calls[i % len(calls)]()
+    return graph
+
+
+def time_per_call_us(calls, target_s=0.15):
+    """Median GPU time per call of ``calls`` (rotated) replayed from one CUDA graph."""
+    n = max(MIN_CALLS_PER_GRAPH, len(calls))
+    n = -(-n // len(calls)) * len(calls)
+    graph = capture_calls(calls, n)
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -51,19 +51,6 @@ def last_of_graph(graph, blocks):
     return read_stamps(blocks)
 
 
-def capture(calls, n=24):
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n):
-            calls[i % len(calls)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
 def read_stamps(blocks):
     stamps = torch.ops.flashdecode.read_timeline(False)[:blocks].tolist()
     ran = [s for s in stamps if s[EXIT]]
@@ -106,7 +93,8 @@ def main(argv=None):
         calls = case.ours(ring_stages=args.ring_stages)
         graph_us = bench.time_per_call_us(calls)
         if args.warm:
-            graph = capture(calls)
+            graph = bench.capture_calls(calls, 24)
+            graph.replay()
             runs = [last_of_graph(graph, blocks) for _ in range(args.repeats)]
             del graph
         else:

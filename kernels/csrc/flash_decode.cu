@@ -597,15 +597,17 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
 enum Sink { kToOutput, kToPartial, kToCluster };
 
 // Shared memory past a block's ring (and past the epilogue, which reuses the first stages).
-__device__ __forceinline__ int past_ring(const DecodeParams& p) { return max(p.ring_stages, kStages) * kStageBytes; }
+__host__ __device__ __forceinline__ int past_ring(const DecodeParams& p) {
+  return max(p.ring_stages, kStages) * kStageBytes;
+}
 
 // One block's attention over tokens [w.start, w.end) of one (sequence, head group): the K/V ring
 // (producer warp and consumer warps), then the epilogue that combines the consumer warps and
 // writes the rows and their LSEs to ``sink`` (``slot``: the workspace row for kToPartial). Every
 // thread of the block calls it.
 template <typename T, int D>
-__device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sink sink, int64_t slot, RingSlot& ring,
-                                       uint8_t* smem, uint64_t* full, uint64_t* empty) {
+__device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sink sink, int64_t slot, uint8_t* smem,
+                                       uint64_t* full, uint64_t* empty) {
   using S = Shape<D>;
   constexpr int kTile = S::kTile, kConsumerWarps = S::kConsumerWarps, kThreads = S::kThreads;
   __shared__ float warp_max[kConsumerWarps][kRows], warp_sum[kConsumerWarps][kRows];
@@ -617,6 +619,7 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
   T* stages = reinterpret_cast<T*>(smem);
   float* o_smem = reinterpret_cast<float*>(smem);
   const int n_tiles = (w.end - w.start + kTile - 1) / kTile;
+  RingSlot ring(p.ring_stages);
 
   float o[S::kGroups][4][4];
 #pragma unroll
@@ -731,7 +734,6 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   pdl_wait();  // a no-op unless this grid was launched as a PDL dependent
   if (threadIdx.x == 0) stamp(kWaited);
   init_ring<D>(p, full, empty);  // while the sequence length is in flight
-  RingSlot ring(p.ring_stages);
 
   const Work w = block_work<D>(p);
   if (threadIdx.x == 0) stamp(kLength, w.len);
@@ -739,7 +741,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
 
   if (w.start < w.end) {
     const Sink sink = splits == 1 ? kToOutput : cluster ? kToCluster : kToPartial;
-    attend<T, D>(p, w, sink, (int64_t)w.b * splits + blockIdx.x, ring, smem, full, empty);
+    attend<T, D>(p, w, sink, (int64_t)w.b * splits + blockIdx.x, smem, full, empty);
   } else if (splits == 1) {  // only for an (invalid) length of 0: write zeros, never NaN
     uint16_t* out = static_cast<uint16_t*>(p.out) + ((int64_t)w.b * hq + w.q_head0) * D;
     for (int idx = threadIdx.x; idx < w.rows * D; idx += kThreads) out[idx] = 0;
@@ -890,9 +892,11 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   const bool cluster_mode = p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl;
   // Only a block alone on its SM (spread, or in a cluster) may hold a deeper ring than three
   // stages (a deeper ring measured no faster: NOTES.md); a cluster leader receives past it.
-  const bool alone = cluster_mode || (p.spread && blocks <= sms);
-  p.ring_stages = p.ring_stages > 0 && alone ? p.ring_stages : p.ring_stages > 0 ? min(p.ring_stages, kStages) : kStages;
-  const int past = max(p.ring_stages, kStages) * kStageBytes;
+  const bool spread = p.spread && blocks <= sms;
+  const bool alone = cluster_mode || spread;
+  if (p.ring_stages == 0) p.ring_stages = kStages;
+  else if (!alone) p.ring_stages = min(p.ring_stages, kStages);
+  const int past = past_ring(p);
   const int rows = group < kRows ? group : kRows;
   const int recv_bytes = kRecvLseBytes + p.num_splits * rows * D * 4;
   const bool cluster = cluster_mode && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
@@ -900,7 +904,7 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   if (cluster_mode && !cluster && p.num_splits > 1)  // too many splits for one cluster: merge by kernel
     p.merge_mode = p.merge_mode == kMergeCluster ? kMergeKernelPdl : kMergePdlLate;
   int smem = past + (cluster ? recv_bytes : 0);
-  if (cluster || (p.spread && blocks <= sms)) smem = max(smem, S::kSpreadSmemBytes);
+  if (cluster || spread) smem = max(smem, S::kSpreadSmemBytes);
   // Made resident early (PDL) while its predecessor still held SMs, a grid of 1-2 blocks per SM
   // landed unevenly unless spread (measured: 32/8/128 B=8 M=32768 244 -> 307 us): modes 0-2 and 5
   // launch it plainly.
