@@ -13,16 +13,22 @@ __all__ = ["flash_decode", "write_kv", "reference_decode", "reference_write_kv",
            "cache_shape", "Workspace", "plan_num_splits"]
 
 
-def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None):
+def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None,
+                 read_ahead=True):
     """Attention of one new query token per sequence over its paged KV cache.
 
     q [B, Hq, D]; k_cache/v_cache [num_blocks, Hkv, block_size, D] (``paging.py``);
     block_table [B, max_blocks] int32; seq_lens [B] int32, each >= 1. Returns [B, Hq, D].
+
+    On CUDA the kernel starts reading ``seq_lens``, ``block_table`` and the cache rows before
+    ``seq_len - 1`` while the kernel before it in the stream may still run (programmatic dependent
+    launch); that kernel may write ``q`` and row ``seq_len - 1`` (a decode step's new token), not
+    those. ``read_ahead=False`` reads nothing before it has finished.
     """
     if q.is_cuda:
         from . import ops
-        return ops.flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens,
-                                     scale=scale, workspace=workspace, num_splits=num_splits)
+        return ops.flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
+                                     workspace=workspace, num_splits=num_splits, read_ahead=read_ahead)
     return reference_decode(q, k_cache, v_cache, block_table, seq_lens,
                             scale=scale, workspace=workspace, num_splits=num_splits)
 

@@ -106,18 +106,18 @@ class Case:
         return self.paged[block_size]
 
     def ours(self, block_size=None, num_splits=None, merge_mode=None, buffers=None, min_chunk=None, spread=False,
-             ring_stages=0):
+             ring_stages=0, read_ahead=True):
         ws = self.workspace if buffers is None else buffers
 
         def make(q, kc, vc, bt):
             if buffers is None:
                 return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=ws,
                                                      num_splits=num_splits, merge_mode=merge_mode, spread=spread,
-                                                     ring_stages=ring_stages)
+                                                     ring_stages=ring_stages, read_ahead=read_ahead)
             return lambda: torch.ops.flashdecode.flash_decode(
                 q, kc, vc, bt, self.seq_lens, q.shape[-1] ** -0.5, num_splits, ws.partial_out, ws.partial_lse,
                 ws.merge_counters, ops.DEFAULT_MERGE if merge_mode is None else merge_mode,
-                planner.MIN_CHUNK if min_chunk is None else min_chunk, spread, ring_stages)
+                planner.MIN_CHUNK if min_chunk is None else min_chunk, spread, ring_stages, read_ahead)
         return [make(*s) for s in self.paged_sets(block_size or self.block_size)]
 
     def peer(self, backend):
@@ -238,6 +238,8 @@ def main(argv=None):
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--sweep", action="store_true", help="also time split counts, merge modes, block sizes")
     parser.add_argument("--quick", action="store_true", help="only the first length of each shape and batch")
+    parser.add_argument("--only", nargs="*", default=[], metavar="SHAPE:B:M",
+                        help="only these cases, e.g. 9/3/64:64:4096 (the targets are then over these alone)")
     parser.add_argument("--modes", type=int, nargs="*", default=[],
                         help="merge modes (kernels.ops.MERGE_*) to time beside the default for every case")
     parser.add_argument("--spread-modes", type=int, nargs="*", default=[],
@@ -246,6 +248,10 @@ def main(argv=None):
                         help="ring depths (K/V tiles in flight per block) to time beside the launcher's choice")
     parser.add_argument("--cluster-sweep", action="store_true",
                         help="also time the cluster merge (mode 6, spread) at 2, 4, 8 and 16 splits")
+    parser.add_argument("--block-sizes", type=int, nargs="*", default=[],
+                        help="cache block sizes to time beside --block-size")
+    parser.add_argument("--no-read-ahead", action="store_true",
+                        help="also time the kernel reading nothing before its predecessor has finished")
     parser.add_argument("--max-kv-mb", type=float, default=MAX_KV_BYTES / 1e6, help="skip cases with more KV")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -261,6 +267,9 @@ def main(argv=None):
     variants += [(f"ours_mode{m}_spread_us", f"mode {m} spread", {"merge_mode": m, "spread": True})
                  for m in args.spread_modes]
     variants += [(f"ours_ring{n}_us", f"ring {n}", {"ring_stages": n}) for n in args.ring_stages]
+    variants += [(f"ours_bs{n}_us", f"block size {n}", {"block_size": n}) for n in args.block_sizes]
+    if args.no_read_ahead:
+        variants.append(("ours_no_read_ahead_us", "no read-ahead", {"read_ahead": False}))
     meta.update(launch_floor_us(device))
     print(f"launch floor: one trivial kernel {meta['one_kernel_us']:.2f} us per call, "
           f"two {meta['two_kernels_us']:.2f} us", flush=True)
@@ -275,6 +284,8 @@ def main(argv=None):
                 if nbytes > min(MAX_KV_BYTES, args.max_kv_mb * 1e6):
                     continue
                 label = "/".join(map(str, shape))
+                if args.only and f"{label}:{batch}:{seq_len}" not in args.only:
+                    continue
                 case = Case(shape, batch, seq_len, args.block_size, device)
                 row = {"shape": label, "batch": batch, "seq_len": seq_len, "kv_mb": nbytes / 1e6,
                        "num_sets": case.num_sets, "num_splits": case.workspace.num_splits(batch),

@@ -28,10 +28,12 @@ MERGE_PDL_CHAIN = 3     # as MERGE_KERNEL_PDL, and the split kernel a PDL depend
 MERGE_PDL_LATE = 4      # as MERGE_PDL_CHAIN, the next grid let in only after this call's KV reads
 MERGE_CLUSTER = 5       # a cluster per (sequence, head group) merges in shared memory (<= 16 splits, else 2)
 MERGE_CLUSTER_PDL = 6   # as MERGE_CLUSTER, launched as a PDL dependent with the late trigger (else 4)
-MERGE_AUTO = 7          # chosen per grid by the launcher: 6 with spread where it fits, else 4
-                        # (it sets spread itself: the spread argument only matters for modes 0-6;
-                        # spread applies to grids of at most one block per SM)
-MERGE_MODES = tuple(range(8))
+MERGE_AUTO = 7          # chosen per grid by the launcher: 9 or 3 with spread where the grid fits one
+                        # block per SM, else 3 or 8 (it sets spread itself: the spread argument
+                        # does not matter here; spread applies to grids of at most one block per SM)
+MERGE_PDL_LOADS = 8     # as MERGE_PDL_LATE, but a one-split grid lets the next in once its loads are issued
+MERGE_CLUSTER_PDL_LOADS = 9  # as MERGE_CLUSTER_PDL, a cluster or one-split grid as MERGE_PDL_LOADS (else 3)
+MERGE_MODES = tuple(range(10))
 DEFAULT_MERGE = MERGE_AUTO   # chosen by measurement, see NOTES.md
 
 _ready_devices: set[int] = set()
@@ -60,7 +62,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("flashdecode::flash_decode")
     def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits,
                            partial_out, partial_lse, merge_counters, merge_mode=7, min_chunk=256,
-                           spread=False, ring_stages=0):
+                           spread=False, ring_stages=0, read_ahead=True):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("flashdecode::write_kv")
@@ -159,7 +161,7 @@ def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_se
 
 
 def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None,
-                      merge_mode=None, min_chunk=None, spread=False, ring_stages=0):
+                      merge_mode=None, min_chunk=None, spread=False, ring_stages=0, read_ahead=True):
     """``kernels.flash_decode`` for CUDA tensors; see ``kernels/__init__.py`` for the contract."""
     batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
                                                                                seq_lens)
@@ -190,7 +192,7 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, splits,
                                               workspace.partial_out, workspace.partial_lse,
                                               workspace.merge_counters, mode, chunk, bool(spread),
-                                              int(ring_stages))
+                                              int(ring_stages), bool(read_ahead))
 
 
 def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):

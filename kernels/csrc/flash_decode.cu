@@ -173,6 +173,28 @@ __device__ __forceinline__ void cluster_wait_started() { asm volatile("barrier.c
 
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// When a split block lets the next grid (a PDL dependent) in:
+// - at entry: the merge kernel gets its blocks resident now and they wait (griddepcontrol.wait)
+//   until this whole grid has finished and flushed;
+// - once its last loads are issued (modes 8 and 9 with one split, mode 9 with a cluster; the
+//   launcher never runs mode 9 with a multi-split grid that is not a cluster);
+// - once its rows are stored (modes 5 and 6, and mode 4 with one split).
+enum Trigger { kAtEntry, kAtLoads, kAtStores };
+
+__device__ __forceinline__ Trigger trigger_point(const DecodeParams& p) {
+  const int mode = p.merge_mode;
+  const bool one_split = gridDim.x == 1;
+  if (mode == kMergeClusterPdlLoads || (mode == kMergePdlLoads && one_split)) return kAtLoads;
+  if ((mode == kMergeCluster && !one_split) || mode == kMergeClusterPdl || (mode == kMergePdlLate && one_split))
+    return kAtStores;
+  return kAtEntry;
+}
+
+// A no-op unless this grid was launched as a PDL dependent; a second call returns at once.
+__device__ __forceinline__ void wait_for_predecessor() {
+  pdl_wait();
+  if (threadIdx.x == 0) stamp(kWaited);
+}
 
 __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
   uint32_t y;
@@ -358,7 +380,7 @@ __device__ void merge_rows(const DecodeParams& p, int b, int q_head0, int rows, 
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeParams p) {
-  if (p.merge_mode == kMergePdlLate) {  // the next split grid lands on SMs this split grid has left
+  if (p.merge_mode == kMergePdlLate || p.merge_mode == kMergePdlLoads) {  // the next split grid lands on SMs this split grid has left
     pdl_wait();
     pdl_trigger();
   } else {
@@ -429,14 +451,20 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
 
-  // Block ids of pages [base, base + 64), one per lane in cur and next; never past the last page.
+  // Block ids of pages [base, base + 64), one per lane in cur and next; 0 past the last page. A
+  // tile's pages never straddle base + 32 (a tile is a whole number of pages, or part of one, and
+  // starts on a tile boundary), so a tile reads cur alone: next is in long before it is needed.
   int base = w.start / bs;
   auto fetch = [&](int page) { return page < pages ? __ldg(table + page) : 0; };
   int cur = fetch(base + lane), next = fetch(base + 32 + lane);
   if (lane == 0) stamp(kTable, cur);
 
+  // With read_ahead, the first ring fill is asked for before the predecessor has finished: every
+  // tile but one holding row len - 1, which the predecessor may still be writing.
+  const int ahead = p.read_ahead ? min(slot.stages, n_tiles - (w.end == w.len ? 1 : 0)) : 0;
   long long waited = 0;
   for (int i = 0; i < n_tiles; ++i, slot.advance()) {
+    if (i == ahead) pdl_wait();
     const int stage = slot.stage;
     if (i >= slot.stages) {
       const long long t = clock_now();
@@ -450,10 +478,7 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
       cur = next;
       next = fetch(base + 32 + lane);
     }
-    const int idx = page0 + lane - base;
-    const int from_cur = __shfl_sync(0xffffffffu, cur, idx & 31);
-    const int from_next = __shfl_sync(0xffffffffu, next, idx & 31);
-    const int block = min(max(idx < 32 ? from_cur : from_next, 0), p.num_blocks - 1);
+    const int block = min(max(__shfl_sync(0xffffffffu, cur, (page0 + lane - base) & 31), 0), p.num_blocks - 1);
     const int first_token = small_pages ? (page0 + lane) * bs : t0;
     const int row_offset = small_pages ? 0 : t0 - page0 * bs;
     const int rows = lane < pages_per_tile ? max(0, min(rows_per_page, w.len - first_token)) : 0;
@@ -468,6 +493,8 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
       bulk_load(k_dst + kTile * D, v_cache + src, bytes, &full[stage]);
     }
   }
+  if (ahead >= n_tiles) pdl_wait();  // all read ahead; the epilogue writes
+  if (trigger_point(p) == kAtLoads) pdl_trigger();
   if (lane == 0) record(kProducerWaits, waited);
 }
 
@@ -628,6 +655,7 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
     for (int c = 0; c < 4; ++c) o[j][c][0] = o[j][c][1] = o[j][c][2] = o[j][c][3] = 0.f;
   float m_lo = kNegInf, m_hi = kNegInf, l_lo = 0.f, l_hi = 0.f;
   if (consumer) {
+    wait_for_predecessor();  // q is the predecessor's output
     if (w.rows > 8)
       consume<T, D, true>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
     else
@@ -701,6 +729,24 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
   }
 }
 
+// A block with no tokens: an empty split contributes lse = -inf and no output; a grid of one split
+// (only for an invalid length of 0) writes zeros, never NaN.
+template <int D>
+__device__ __forceinline__ void write_empty(const DecodeParams& p, const Work& w, bool cluster, uint8_t* smem) {
+  const int splits = gridDim.x, hq = p.num_q_heads;
+  if (splits == 1) {
+    uint16_t* out = static_cast<uint16_t*>(p.out) + ((int64_t)w.b * hq + w.q_head0) * D;
+    for (int idx = threadIdx.x; idx < w.rows * D; idx += Shape<D>::kThreads) out[idx] = 0;
+  } else if (cluster) {
+    cluster_wait_started();
+    if (threadIdx.x < w.rows)
+      cluster_store(cluster_addr(reinterpret_cast<float*>(smem + past_ring(p)) + blockIdx.x * kRows + threadIdx.x, 0),
+                    kNegInf);
+  } else if (threadIdx.x < w.rows) {
+    p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = kNegInf;
+  }
+}
+
 // The ring's barriers: a full barrier per stage (the producer's byte count) and an empty one (every
 // consumer warp's release). Thread 0 initialises them; a block barrier must follow.
 template <int D>
@@ -716,23 +762,19 @@ __device__ __forceinline__ void init_ring(const DecodeParams& p, uint64_t* full,
 
 template <typename T, int D>
 __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const DecodeParams p) {
-  using S = Shape<D>;
-  constexpr int kThreads = S::kThreads;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ uint64_t full[kMaxStages], empty[kMaxStages];
   __shared__ int is_last;
 
-  const int splits = gridDim.x, hq = p.num_q_heads;
-  const bool cluster = splits > 1 && (p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl);
-  // Late trigger: the next grid (a PDL dependent) is let in once every block has stored its rows.
-  // Early: the merge kernel gets its blocks resident now and they wait (griddepcontrol.wait)
-  // until this whole grid has finished and flushed.
-  const bool late_trigger = cluster || p.merge_mode == kMergeClusterPdl || (p.merge_mode == kMergePdlLate && splits == 1);
+  const int splits = gridDim.x;
+  const bool cluster = splits > 1 && (p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl ||
+                                      p.merge_mode == kMergeClusterPdlLoads);
   if (threadIdx.x == 0) stamp(kEntry);
   if (cluster) cluster_arrive_started();
-  if (!late_trigger) pdl_trigger();
-  pdl_wait();  // a no-op unless this grid was launched as a PDL dependent
-  if (threadIdx.x == 0) stamp(kWaited);
+  if (trigger_point(p) == kAtEntry) pdl_trigger();
+  // With read_ahead the length, the block ids and the first ring fill are asked for now; the
+  // consumers wait before they read q, the producer before the rest of the ring (produce).
+  if (!p.read_ahead) wait_for_predecessor();
   init_ring<D>(p, full, empty);  // while the sequence length is in flight
 
   const Work w = block_work<D>(p);
@@ -742,18 +784,11 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   if (w.start < w.end) {
     const Sink sink = splits == 1 ? kToOutput : cluster ? kToCluster : kToPartial;
     attend<T, D>(p, w, sink, (int64_t)w.b * splits + blockIdx.x, smem, full, empty);
-  } else if (splits == 1) {  // only for an (invalid) length of 0: write zeros, never NaN
-    uint16_t* out = static_cast<uint16_t*>(p.out) + ((int64_t)w.b * hq + w.q_head0) * D;
-    for (int idx = threadIdx.x; idx < w.rows * D; idx += kThreads) out[idx] = 0;
-  } else if (cluster) {  // an empty split contributes lse = -inf and no output
-    cluster_wait_started();
-    if (threadIdx.x < w.rows)
-      cluster_store(cluster_addr(reinterpret_cast<float*>(smem + past_ring(p)) + blockIdx.x * kRows + threadIdx.x, 0),
-                    kNegInf);
-  } else if (threadIdx.x < w.rows) {
-    p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = kNegInf;
+  } else {
+    wait_for_predecessor();
+    write_empty<D>(p, w, cluster, smem);
   }
-  if (late_trigger) pdl_trigger();
+  if (trigger_point(p) == kAtStores) pdl_trigger();
   if (threadIdx.x == 0) stamp(kStored);
 
   if (cluster) {  // the leader waits for every split's push (the barrier's second phase)
@@ -881,15 +916,25 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   const int64_t blocks = (int64_t)grid.x * grid.y * grid.z;
   const int sms = sm_count();
   if (p.merge_mode == kMergeAuto) {
-    // PDL with the late trigger everywhere, which needs a one-wave grid spread one block per SM
-    // (else the early-placed blocks doubled up on some SMs: 10-14 % slower). A cluster merge
-    // where its clusters cannot crowd the SMs they share: two splits, or a grid of at most half
-    // the SMs (sixteen-block clusters on 128 blocks were 50 % slower). See NOTES.md.
+    // Every grid a PDL dependent that reads ahead, and lets the next grid in as early as it can
+    // without its blocks landing unevenly (measured, NOTES.md):
+    // - a one-wave grid is spread one block per SM (else early-placed blocks doubled up on some
+    //   SMs: 10-14 % slower). Its splits merge in a cluster where clusters cannot crowd the SMs
+    //   they share (two splits, or a grid of at most half the SMs; sixteen-block clusters on 128
+    //   blocks were 50 % slower), and that grid, or one of a single split, lets the next in once
+    //   its loads are issued; otherwise the merge kernel, every trigger at entry;
+    // - a grid of more blocks than two per SM is placed whole before the next can start: every
+    //   trigger at entry;
+    // - in between (one split: 9/3/64 at B=64), the next grid once the loads are issued.
     p.spread = blocks <= sms;
     const bool small_clusters = p.num_splits == 2 || 2 * blocks <= sms;
-    p.merge_mode = p.num_splits > 1 && p.spread && small_clusters ? kMergeClusterPdl : kMergePdlLate;
+    if (p.spread)
+      p.merge_mode = p.num_splits == 1 || small_clusters ? kMergeClusterPdlLoads : kMergePdlChain;
+    else
+      p.merge_mode = blocks > 2 * sms ? kMergePdlChain : kMergePdlLoads;
   }
-  const bool cluster_mode = p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl;
+  const bool cluster_mode =
+      p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl || p.merge_mode == kMergeClusterPdlLoads;
   // Only a block alone on its SM (spread, or in a cluster) may hold a deeper ring than three
   // stages (a deeper ring measured no faster: NOTES.md); a cluster leader receives past it.
   const bool spread = p.spread && blocks <= sms;
@@ -902,13 +947,16 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   const bool cluster = cluster_mode && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
                        past + recv_bytes <= kMaxSmemBytes && cluster_fits<T, D>(p.num_splits);
   if (cluster_mode && !cluster && p.num_splits > 1)  // too many splits for one cluster: merge by kernel
-    p.merge_mode = p.merge_mode == kMergeCluster ? kMergeKernelPdl : kMergePdlLate;
+    p.merge_mode = p.merge_mode == kMergeCluster      ? kMergeKernelPdl
+                   : p.merge_mode == kMergeClusterPdl ? kMergePdlLate
+                                                      : kMergePdlChain;
   int smem = past + (cluster ? recv_bytes : 0);
   if (cluster || spread) smem = max(smem, S::kSpreadSmemBytes);
   // Made resident early (PDL) while its predecessor still held SMs, a grid of 1-2 blocks per SM
   // landed unevenly unless spread (measured: 32/8/128 B=8 M=32768 244 -> 307 us): modes 0-2 and 5
   // launch it plainly.
-  const bool pdl = p.merge_mode == kMergePdlChain || p.merge_mode == kMergePdlLate || p.merge_mode == kMergeClusterPdl;
+  const bool pdl = p.merge_mode == kMergePdlChain || p.merge_mode == kMergePdlLate || p.merge_mode == kMergeClusterPdl ||
+                   p.merge_mode == kMergePdlLoads || p.merge_mode == kMergeClusterPdlLoads;
   err = launch_split<T, D>(p, grid, smem, cluster, pdl, stream);
   if (err != cudaSuccess || p.num_splits == 1 || cluster || p.merge_mode == kMergeLastBlock) return err;
 

@@ -20,6 +20,9 @@ enum MergeMode : int {
                           // merge through distributed shared memory, in one launch (else as 2)
   kMergeClusterPdl = 6,   // as 5, launched as a PDL dependent with the late trigger of 4 (else as 4)
   kMergeAuto = 7,         // by the grid, as measured best on the H200 (launch_typed in flash_decode.cu)
+  kMergePdlLoads = 8,     // as 4, but a one-split grid lets the next grid in once its last loads are issued
+  kMergeClusterPdlLoads = 9,  // as 6, but a cluster or one-split grid lets the next in once its loads are
+                              // issued (else as 3)
 };
 
 struct DecodeParams {
@@ -43,6 +46,9 @@ struct DecodeParams {
                                   // memory that no SM can take two of its blocks
   int ring_stages;                // K/V tiles in flight per block, 1..kMaxRingStages; 0: the launcher's
                                   // choice (3). More than 3 only where a block is alone on its SM.
+  bool read_ahead;                // seq_lens, block_table and the cache's rows before seq_len - 1 may be
+                                  // read before the preceding kernel in the stream has finished (it
+                                  // may write q and row seq_len - 1 only); q always after it
 };
 
 struct WriteKvParams {

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import ops
+from kernels import layer_ops, ops
 from kernels.paging import DEFAULT_BLOCK_SIZE
 from kernels.reference import gather_dense, reference_decode, reference_write_kv
 
@@ -179,7 +179,7 @@ def test_merge_modes_agree():
         return ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, num_splits=splits,
                                      merge_mode=mode, min_chunk=1, spread=spread)
     outs = [run(m, 12) for m in (ops.MERGE_KERNEL, ops.MERGE_KERNEL_PDL, ops.MERGE_PDL_CHAIN, ops.MERGE_PDL_LATE,
-                                 ops.MERGE_AUTO)]
+                                 ops.MERGE_AUTO, ops.MERGE_PDL_LOADS)]
     outs.append(run(ops.MERGE_KERNEL_PDL, 12, spread=True))
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
@@ -188,13 +188,15 @@ def test_merge_modes_agree():
         one_step = outs[0].abs().float() * 2.0 ** -7 + 1e-30
         assert ((last_block.float() - outs[0].float()).abs() <= one_step).all()
     assert torch.count_nonzero(ws.merge_counters) == 0
-    wide = [run(m, 17) for m in (ops.MERGE_KERNEL_PDL, ops.MERGE_CLUSTER, ops.MERGE_CLUSTER_PDL)]
+    wide = [run(m, 17) for m in (ops.MERGE_KERNEL_PDL, ops.MERGE_CLUSTER, ops.MERGE_CLUSTER_PDL,
+                                 ops.MERGE_CLUSTER_PDL_LOADS)]
     for out in wide[1:]:
         assert torch.equal(out, wide[0])
 
 
 @pytest.mark.parametrize("spread", [False, True])
-@pytest.mark.parametrize("merge_mode", [ops.MERGE_CLUSTER, ops.MERGE_CLUSTER_PDL, ops.MERGE_PDL_LATE, ops.MERGE_AUTO])
+@pytest.mark.parametrize("merge_mode", [ops.MERGE_CLUSTER, ops.MERGE_CLUSTER_PDL, ops.MERGE_PDL_LATE, ops.MERGE_AUTO,
+                                        ops.MERGE_PDL_LOADS, ops.MERGE_CLUSTER_PDL_LOADS])
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 8, 11, 16, 17])
 @pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128), (20, 1, 64)])
 def test_cluster_and_late_trigger_modes(merge_mode, num_splits, shape, spread, fresh_seed):
@@ -231,7 +233,8 @@ def test_ring_depths(shape, num_splits, merge_mode, spread, fresh_seed):
         assert torch.equal(out, outs[0]), f"ring {ring} differs from the launcher's choice"
 
 
-@pytest.mark.parametrize("merge_mode", [ops.MERGE_KERNEL_PDL, ops.MERGE_PDL_LATE, ops.MERGE_CLUSTER_PDL, None])
+@pytest.mark.parametrize("merge_mode", [ops.MERGE_KERNEL_PDL, ops.MERGE_PDL_LATE, ops.MERGE_CLUSTER_PDL,
+                                        ops.MERGE_PDL_LOADS, ops.MERGE_CLUSTER_PDL_LOADS, None])
 def test_graph_replay_equals_eager(merge_mode):
     batch, num_q, num_kv, dim, bs = 6, 9, 3, 64, 16
     k_cache, v_cache, table, seq_lens = make_paged([4000] * batch, num_kv, dim, bs, torch.bfloat16)
@@ -286,6 +289,71 @@ def test_graph_replay_equals_eager(merge_mode):
         assert (replayed.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
 
 
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("read_ahead", [True, False])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])
+def test_read_ahead_waits_for_the_new_row_and_q(shape, read_ahead, graph, fresh_seed):
+    """A decode step's chain, as the engine runs it: projections, then the rotary embedding that
+    rotates q in place and writes row len - 1 of the cache, then flash_decode. Each is a PDL kernel
+    that lets its successor in at once, so flash_decode reads ahead while the chain still runs.
+    Row len - 1 holds NaN until the write lands."""
+    num_q, num_kv, dim = shape
+    bs, batch, hidden = DEFAULT_BLOCK_SIZE, 4, 2048
+    lengths = [37, 129, 300, 2500]        # one tile, a ring fill, several splits
+    k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, dim, bs, torch.bfloat16)
+    ws = kernels.Workspace(batch, num_q, dim, table.shape[1] * bs, DEVICE, num_kv_heads=num_kv)
+    positions = seq_lens - 1
+    slots = table.gather(1, (positions // bs).long().view(-1, 1)).view(-1).long() * bs + (positions % bs).long()
+    angles = torch.arange(max(lengths), device=DEVICE).view(-1, 1) / 10000.0 ** (
+        torch.arange(0, dim, 2, device=DEVICE) / dim)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).float().contiguous()
+    x = torch.empty(batch, hidden, device=DEVICE, dtype=torch.bfloat16)
+    deep = [torch.randn(hidden, hidden, device=DEVICE, dtype=torch.bfloat16) / hidden ** 0.5 for _ in range(3)]
+    narrow = torch.randn(512, hidden, device=DEVICE, dtype=torch.bfloat16) / hidden ** 0.5
+    qkv_w = torch.randn((num_q + 2 * num_kv) * dim, 512, device=DEVICE, dtype=torch.bfloat16) / 512 ** 0.5
+    assert all(layer_ops._gemv_serves(x, w) for w in deep + [narrow])   # our PDL GEMV, not cuBLAS
+
+    def step():
+        h = x
+        for w in deep + [narrow]:
+            h = layer_ops.linear(h, w)
+        qkv = layer_ops.linear(h, qkv_w)
+        layer_ops.rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slots, num_q)
+        q = qkv[:, :num_q * dim].unflatten(1, (num_q, dim))
+        return q, kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, workspace=ws, read_ahead=read_ahead)
+
+    def new_round():
+        x.copy_(torch.randn_like(x))
+        for b, slot in enumerate(slots.tolist()):
+            k_cache[slot // bs, :, slot % bs] = float("nan")
+            v_cache[slot // bs, :, slot % bs] = float("nan")
+        ws.partial_out.fill_(float("nan"))
+
+    if graph:
+        new_round()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            static_q, static_out = step()
+    for _ in range(3):
+        new_round()
+        if graph:
+            static_out.fill_(float("nan"))
+            captured.replay()
+            q, out = static_q, static_out
+        else:
+            q, out = step()
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), "read row len - 1 before it was written"
+        ref = oracle(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
+        plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
+        assert (out.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
+
+
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128)])
 def test_write_kv_matches_reference(dtype, head_dim, slot_dtype):
@@ -320,7 +388,7 @@ def test_rejects_unsupported_inputs():
         kc = torch.zeros(4, 2, 24, 64, device=DEVICE, dtype=torch.bfloat16)
         kernels.flash_decode(q, kc, kc.clone(), table, seq_lens)
     with pytest.raises(ValueError, match="merge_mode"):
-        ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, merge_mode=8)
+        ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, merge_mode=len(ops.MERGE_MODES))
     for ring in (-1, ops.MAX_RING_STAGES + 1):
         with pytest.raises(ValueError, match="ring_stages"):
             ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, ring_stages=ring)
