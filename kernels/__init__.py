@@ -21,9 +21,10 @@ def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, work
     block_table [B, max_blocks] int32; seq_lens [B] int32, each >= 1. Returns [B, Hq, D].
 
     On CUDA the kernel starts reading ``seq_lens``, ``block_table`` and the cache rows before
-    ``seq_len - 1`` while the kernel before it in the stream may still run (programmatic dependent
-    launch); that kernel may write ``q`` and row ``seq_len - 1`` (a decode step's new token), not
-    those. ``read_ahead=False`` reads nothing before it has finished.
+    ``seq_len - 1`` while the kernels ahead of it in the stream may still run (programmatic
+    dependent launch): none that may still run may write those. ``q`` and row ``seq_len - 1`` (a
+    decode step's new token) they may write. ``read_ahead=False`` reads nothing before they
+    have finished.
     """
     if q.is_cuda:
         from . import ops

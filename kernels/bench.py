@@ -106,18 +106,19 @@ class Case:
         return self.paged[block_size]
 
     def ours(self, block_size=None, num_splits=None, merge_mode=None, buffers=None, min_chunk=None, spread=False,
-             ring_stages=0, read_ahead=True):
+             ring_stages=0, copy_rows=0, read_ahead=True):
         ws = self.workspace if buffers is None else buffers
 
         def make(q, kc, vc, bt):
             if buffers is None:
                 return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=ws,
                                                      num_splits=num_splits, merge_mode=merge_mode, spread=spread,
-                                                     ring_stages=ring_stages, read_ahead=read_ahead)
+                                                     ring_stages=ring_stages, copy_rows=copy_rows,
+                                                     read_ahead=read_ahead)
             return lambda: torch.ops.flashdecode.flash_decode(
                 q, kc, vc, bt, self.seq_lens, q.shape[-1] ** -0.5, num_splits, ws.partial_out, ws.partial_lse,
                 ws.merge_counters, ops.DEFAULT_MERGE if merge_mode is None else merge_mode,
-                planner.MIN_CHUNK if min_chunk is None else min_chunk, spread, ring_stages, read_ahead)
+                planner.MIN_CHUNK if min_chunk is None else min_chunk, spread, ring_stages, copy_rows, read_ahead)
         return [make(*s) for s in self.paged_sets(block_size or self.block_size)]
 
     def peer(self, backend):
@@ -250,6 +251,8 @@ def main(argv=None):
                         help="also time the cluster merge (mode 6, spread) at 2, 4, 8 and 16 splits")
     parser.add_argument("--block-sizes", type=int, nargs="*", default=[],
                         help="cache block sizes to time beside --block-size")
+    parser.add_argument("--copy-rows", type=int, nargs="*", default=[],
+                        help="cache rows per bulk copy to time beside the launcher's choice")
     parser.add_argument("--no-read-ahead", action="store_true",
                         help="also time the kernel reading nothing before its predecessor has finished")
     parser.add_argument("--max-kv-mb", type=float, default=MAX_KV_BYTES / 1e6, help="skip cases with more KV")
@@ -268,6 +271,7 @@ def main(argv=None):
                  for m in args.spread_modes]
     variants += [(f"ours_ring{n}_us", f"ring {n}", {"ring_stages": n}) for n in args.ring_stages]
     variants += [(f"ours_bs{n}_us", f"block size {n}", {"block_size": n}) for n in args.block_sizes]
+    variants += [(f"ours_copy{n}_us", f"copy rows {n}", {"copy_rows": n}) for n in args.copy_rows]
     if args.no_read_ahead:
         variants.append(("ours_no_read_ahead_us", "no read-ahead", {"read_ahead": False}))
     meta.update(launch_floor_us(device))

@@ -25,7 +25,7 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t num_splits,
                         at::Tensor& partial_out, at::Tensor& partial_lse, at::Tensor& merge_counters,
                         int64_t merge_mode, int64_t min_chunk, bool spread, int64_t ring_stages,
-                        bool read_ahead) {
+                        int64_t copy_rows, bool read_ahead) {
   const auto device = q.device();
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_table, "block_table"},
                          {&seq_lens, "seq_lens"}, {&partial_out, "partial_out"}, {&partial_lse, "partial_lse"},
@@ -70,6 +70,9 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(min_chunk >= 1 && min_chunk <= (1 << 30), "min_chunk must be positive");
   TORCH_CHECK(ring_stages >= 0 && ring_stages <= kMaxRingStages, "ring_stages must be in 0..", kMaxRingStages,
               " (0: the launcher's choice)");
+  const int64_t tile = 8192 / d, copy_span = bs < tile ? bs : tile;
+  TORCH_CHECK(copy_rows == 0 || (copy_rows > 0 && copy_rows % 8 == 0 && copy_span % copy_rows == 0),
+              "copy_rows must be 0 (the launcher's choice) or a multiple of 8 dividing ", copy_span, ", got ", copy_rows);
 
   c10::cuda::CUDAGuard guard(device);
   at::Tensor out = at::empty({batch, hq, d}, q.options());
@@ -100,6 +103,7 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   p.min_chunk = static_cast<int>(min_chunk);
   p.spread = spread;
   p.ring_stages = static_cast<int>(ring_stages);
+  p.copy_rows = static_cast<int>(copy_rows);
   p.read_ahead = read_ahead;
   const cudaError_t err = launch_flash_decode(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_decode launch failed: ", cudaGetErrorString(err));
@@ -305,7 +309,8 @@ TORCH_LIBRARY(flashdecode, m) {
   m.def(
       "flash_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
       "int num_splits, Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) merge_counters, "
-      "int merge_mode=7, int min_chunk=256, bool spread=False, int ring_stages=0, bool read_ahead=True) -> Tensor");
+      "int merge_mode=7, int min_chunk=256, bool spread=False, int ring_stages=0, int copy_rows=0, "
+      "bool read_ahead=True) -> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");

@@ -282,8 +282,9 @@ __device__ __forceinline__ Work block_work(const DecodeParams& p) {
   w.len = min(p.seq_lens[w.b], p.max_blocks * p.block_size);
   int chunk = max((max(w.len, 0) + gridDim.x - 1) / gridDim.x, p.min_chunk);
   chunk = (chunk + kTile - 1) / kTile * kTile;
-  w.start = blockIdx.x * chunk;
-  w.end = min(w.start + chunk, w.len);
+  const int64_t start = (int64_t)blockIdx.x * chunk;  // min_chunk may be up to 2^30
+  w.start = (int)min(start, (int64_t)w.len);
+  w.end = (int)min(start + chunk, (int64_t)w.len);
   return w;
 }
 
@@ -441,9 +442,10 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   constexpr int kTile = S::kTile;
   const int lane = threadIdx.x % 32;
   const int bs = p.block_size;
-  const bool small_pages = bs <= kTile;
-  const int pages_per_tile = small_pages ? kTile / bs : 1;
-  const int rows_per_page = small_pages ? bs : kTile;
+  // A tile is fetched in kTile / copy_rows bulk copies per K and V, one per lane; copy_rows
+  // divides both the page and the tile, so no copy crosses a page.
+  const int copy_rows = n_tiles >= kCopyRowsMinTiles ? p.copy_rows : min(bs, kTile);
+  const int copies = kTile / copy_rows;
   const int pages = (w.len + bs - 1) / bs;
   const int32_t* table = p.block_table + (int64_t)w.b * p.block_table_stride;
   const int64_t block_elems = (int64_t)p.num_kv_heads * bs * D;
@@ -478,17 +480,17 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
       cur = next;
       next = fetch(base + 32 + lane);
     }
-    const int block = min(max(__shfl_sync(0xffffffffu, cur, (page0 + lane - base) & 31), 0), p.num_blocks - 1);
-    const int first_token = small_pages ? (page0 + lane) * bs : t0;
-    const int row_offset = small_pages ? 0 : t0 - page0 * bs;
-    const int rows = lane < pages_per_tile ? max(0, min(rows_per_page, w.len - first_token)) : 0;
+    const int first_token = t0 + lane * copy_rows;
+    const int page = first_token / bs;
+    const int block = min(max(__shfl_sync(0xffffffffu, cur, (page - base) & 31), 0), p.num_blocks - 1);
+    const int rows = lane < copies ? max(0, min(copy_rows, w.len - first_token)) : 0;
     const uint32_t bytes = rows * D * (uint32_t)sizeof(T);
     const uint32_t stage_bytes = 2 * __reduce_add_sync(0xffffffffu, bytes);
     if (lane == 0) mbar_arrive_expect_tx(&full[stage], stage_bytes);
     __syncwarp();
     if (rows > 0) {
-      const int64_t src = block * block_elems + head_elems + (int64_t)row_offset * D;
-      T* k_dst = stages + (int64_t)stage * 2 * kTile * D + lane * rows_per_page * D;
+      const int64_t src = block * block_elems + head_elems + (int64_t)(first_token - page * bs) * D;
+      T* k_dst = stages + (int64_t)stage * 2 * kTile * D + lane * copy_rows * D;
       bulk_load(k_dst, k_cache + src, bytes, &full[stage]);
       bulk_load(k_dst + kTile * D, v_cache + src, bytes, &full[stage]);
     }
@@ -925,7 +927,8 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
     //   its loads are issued; otherwise the merge kernel, every trigger at entry;
     // - a grid of more blocks than two per SM is placed whole before the next can start: every
     //   trigger at entry;
-    // - in between (one split: 9/3/64 at B=64), the next grid once the loads are issued.
+    // - in between (9/3/64 at B=64), mode 8: a grid of one split lets the next grid in once its
+    //   loads are issued; one of several splits merges by kernel as mode 4.
     p.spread = blocks <= sms;
     const bool small_clusters = p.num_splits == 2 || 2 * blocks <= sms;
     if (p.spread)
@@ -939,6 +942,10 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   // stages (a deeper ring measured no faster: NOTES.md); a cluster leader receives past it.
   const bool spread = p.spread && blocks <= sms;
   const bool alone = cluster_mode || spread;
+  // Blocks that share an SM stream long sequences faster in copies of 16 rows than of whole
+  // pages (9/3/64 B=64 M=4096: 52.2 against 54.9 us); lone blocks are slower so (NOTES.md).
+  const int whole = min(p.block_size, S::kTile);
+  if (p.copy_rows == 0) p.copy_rows = blocks > sms && whole % 16 == 0 ? 16 : whole;
   if (p.ring_stages == 0) p.ring_stages = kStages;
   else if (!alone) p.ring_stages = min(p.ring_stages, kStages);
   const int past = past_ring(p);

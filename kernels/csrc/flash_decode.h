@@ -46,9 +46,14 @@ struct DecodeParams {
                                   // memory that no SM can take two of its blocks
   int ring_stages;                // K/V tiles in flight per block, 1..kMaxRingStages; 0: the launcher's
                                   // choice (3). More than 3 only where a block is alone on its SM.
-  bool read_ahead;                // seq_lens, block_table and the cache's rows before seq_len - 1 may be
-                                  // read before the preceding kernel in the stream has finished (it
-                                  // may write q and row seq_len - 1 only); q always after it
+  int copy_rows;                  // cache rows per bulk copy in a block of at least kCopyRowsMinTiles
+                                  // tiles (shorter blocks copy whole pages, or whole tiles of larger
+                                  // ones): a multiple of 8 dividing the page and the tile (128 rows at
+                                  // D=64, 64 at D=128); 0: the launcher's choice
+  bool read_ahead;                // seq_lens, block_table and the cache's rows before seq_len - 1 are
+                                  // read before the kernels ahead in the stream have finished: none
+                                  // that may still run may write them (q and row seq_len - 1 they
+                                  // may); q is read, and every output written, after they finish
 };
 
 struct WriteKvParams {
@@ -64,6 +69,8 @@ struct WriteKvParams {
   int row_bytes;                  // D * element size, a multiple of 16
 };
 
+// Blocks of fewer tiles than this copy whole pages whatever copy_rows says (measured: NOTES.md).
+constexpr int kCopyRowsMinTiles = 8;
 // Deepest ring of K/V stages a block may ask for (deeper than 3 only where it is alone on its SM).
 constexpr int kMaxRingStages = 6;
 // Largest split count a launch accepts (bounds the merge's shared memory).
