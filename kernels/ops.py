@@ -36,6 +36,12 @@ MERGE_CLUSTER_PDL_LOADS = 9  # as MERGE_CLUSTER_PDL, a cluster or one-split grid
 MERGE_MODES = tuple(range(10))
 DEFAULT_MERGE = MERGE_AUTO   # chosen by measurement, see NOTES.md
 
+
+def tile_tokens(head_dim: int) -> int:
+    """Tokens of one K/V tile, a 32 KB pipeline stage (``tile_tokens`` in csrc/flash_decode.h)."""
+    return 8192 // head_dim
+
+
 _ready_devices: set[int] = set()
 _default_workspaces: dict[tuple, Workspace] = {}
 
@@ -189,7 +195,7 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     chunk = planner.MIN_CHUNK if min_chunk is None else int(min_chunk)
     if not 0 <= int(ring_stages) <= MAX_RING_STAGES:
         raise ValueError(f"ring_stages must be in 0..{MAX_RING_STAGES} (0: the launcher's choice), got {ring_stages}")
-    copy_span = min(block_size, 8192 // head_dim)
+    copy_span = min(block_size, tile_tokens(head_dim))
     if copy_rows and (copy_rows < 0 or copy_rows % 8 or copy_span % copy_rows):
         raise ValueError(f"copy_rows must be 0 (the launcher's choice) or a multiple of 8 dividing {copy_span}, "
                          f"got {copy_rows}")

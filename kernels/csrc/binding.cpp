@@ -66,11 +66,11 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                     merge_counters.numel() >= batch * hkv * head_tiles,
                 "merge_counters must be int32 with >= B * Hkv * ceil(G / 16) zeros");
   }
-  TORCH_CHECK(merge_mode >= 0 && merge_mode <= 9, "merge_mode must be in 0..9");
+  TORCH_CHECK(merge_mode >= 0 && merge_mode < kMergeModes, "merge_mode must be in 0..", kMergeModes - 1);
   TORCH_CHECK(min_chunk >= 1 && min_chunk <= (1 << 30), "min_chunk must be positive");
   TORCH_CHECK(ring_stages >= 0 && ring_stages <= kMaxRingStages, "ring_stages must be in 0..", kMaxRingStages,
               " (0: the launcher's choice)");
-  const int64_t tile = 8192 / d, copy_span = bs < tile ? bs : tile;
+  const int64_t tile = tile_tokens(static_cast<int>(d)), copy_span = bs < tile ? bs : tile;
   TORCH_CHECK(copy_rows == 0 || (copy_rows > 0 && copy_rows % 8 == 0 && copy_span % copy_rows == 0),
               "copy_rows must be 0 (the launcher's choice) or a multiple of 8 dividing ", copy_span, ", got ", copy_rows);
 

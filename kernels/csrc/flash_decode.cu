@@ -43,7 +43,7 @@ constexpr float kNegInf = -__builtin_huge_valf();
 // D=64, four warps' serial softmax chains could not keep up with the SM's share of bandwidth.
 template <int D>
 struct Shape {
-  static constexpr int kTile = 8192 / D;                         // tokens per pipeline stage
+  static constexpr int kTile = tile_tokens(D);                   // tokens per pipeline stage
   static constexpr int kConsumerWarps = kTile / kWarpTokens;
   static constexpr int kProducerWarp = kConsumerWarps;
   static constexpr int kThreads = (kConsumerWarps + 1) * 32;
@@ -72,8 +72,11 @@ enum Stamp {
 };
 #ifdef FLASHDECODE_TIMELINE
 __device__ long long g_timeline[kTimelineBlocks][kTimelineStamps];
+__device__ __forceinline__ int64_t timeline_block() {
+  return blockIdx.x + (int64_t)gridDim.x * (blockIdx.y + (int64_t)gridDim.y * blockIdx.z);
+}
 __device__ __forceinline__ void stamp(Stamp which, uint32_t dep = 0) {
-  const int64_t block = blockIdx.x + (int64_t)gridDim.x * (blockIdx.y + (int64_t)gridDim.y * blockIdx.z);
+  const int64_t block = timeline_block();
   long long t;
   asm volatile("{\n .reg .b32 z;\n and.b32 z, %1, 0;\n mov.u64 %0, %%clock64;\n}" : "=l"(t) : "r"(dep) : "memory");
   if (block < kTimelineBlocks) g_timeline[block][which] = t;
@@ -88,7 +91,7 @@ __device__ __forceinline__ long long clock_now() {
   return t;
 }
 __device__ __forceinline__ void record(Stamp which, long long value) {
-  const int64_t block = blockIdx.x + (int64_t)gridDim.x * (blockIdx.y + (int64_t)gridDim.y * blockIdx.z);
+  const int64_t block = timeline_block();
   if (block < kTimelineBlocks) g_timeline[block][which] = value;
 }
 #else
@@ -173,6 +176,12 @@ __device__ __forceinline__ void cluster_wait_started() { asm volatile("barrier.c
 
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// Whether the splits of a (sequence, head group) merge in a cluster (modes 5, 6 and 9; the launcher
+// falls back to a merge kernel where the cluster does not fit).
+__host__ __device__ __forceinline__ bool merges_in_cluster(const DecodeParams& p) {
+  return p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl || p.merge_mode == kMergeClusterPdlLoads;
+}
+
 // When a split block lets the next grid (a PDL dependent) in:
 // - at entry: the merge kernel gets its blocks resident now and they wait (griddepcontrol.wait)
 //   until this whole grid has finished and flushed;
@@ -630,6 +639,14 @@ __host__ __device__ __forceinline__ int past_ring(const DecodeParams& p) {
   return max(p.ring_stages, kStages) * kStageBytes;
 }
 
+// A cluster leader's receive area, past its ring: every split's LSEs (kRows each), then its rows.
+__device__ __forceinline__ float* cluster_recv_lse(const DecodeParams& p, uint8_t* smem) {
+  return reinterpret_cast<float*>(smem + past_ring(p));
+}
+__device__ __forceinline__ float* cluster_recv_rows(const DecodeParams& p, uint8_t* smem) {
+  return cluster_recv_lse(p, smem) + kMaxClusterSplits * kRows;
+}
+
 // One block's attention over tokens [w.start, w.end) of one (sequence, head group): the K/V ring
 // (producer warp and consumer warps), then the epilogue that combines the consumer warps and
 // writes the rows and their LSEs to ``sink`` (``slot``: the workspace row for kToPartial). Every
@@ -701,8 +718,8 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
   if (threadIdx.x == 0) stamp(kReduced);
   if (sink == kToCluster) cluster_wait_started();
 
-  float* recv_lse = reinterpret_cast<float*>(smem + past_ring(p));
-  float* recv_rows = recv_lse + kMaxClusterSplits * kRows;
+  float* recv_lse = cluster_recv_lse(p, smem);
+  float* recv_rows = cluster_recv_rows(p, smem);
   constexpr int kCols = D / 4;
   for (int idx = threadIdx.x; idx < w.rows * kCols; idx += kThreads) {
     const int row = idx / kCols, col = idx % kCols;
@@ -742,8 +759,7 @@ __device__ __forceinline__ void write_empty(const DecodeParams& p, const Work& w
   } else if (cluster) {
     cluster_wait_started();
     if (threadIdx.x < w.rows)
-      cluster_store(cluster_addr(reinterpret_cast<float*>(smem + past_ring(p)) + blockIdx.x * kRows + threadIdx.x, 0),
-                    kNegInf);
+      cluster_store(cluster_addr(cluster_recv_lse(p, smem) + blockIdx.x * kRows + threadIdx.x, 0), kNegInf);
   } else if (threadIdx.x < w.rows) {
     p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = kNegInf;
   }
@@ -769,8 +785,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   __shared__ int is_last;
 
   const int splits = gridDim.x;
-  const bool cluster = splits > 1 && (p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl ||
-                                      p.merge_mode == kMergeClusterPdlLoads);
+  const bool cluster = splits > 1 && merges_in_cluster(p);
   if (threadIdx.x == 0) stamp(kEntry);
   if (cluster) cluster_arrive_started();
   if (trigger_point(p) == kAtEntry) pdl_trigger();
@@ -801,8 +816,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
     }
     cluster_wait();
     if (threadIdx.x == 0) stamp(kClusterSynced);
-    const float* recv_lse = reinterpret_cast<const float*>(smem + past_ring(p));
-    cluster_merge<T, D>(p, w, recv_lse, recv_lse + kMaxClusterSplits * kRows);
+    cluster_merge<T, D>(p, w, cluster_recv_lse(p, smem), cluster_recv_rows(p, smem));
     if (threadIdx.x == 0) stamp(kMerged);
     if (threadIdx.x == 0) stamp(kExit);
     return;
@@ -936,8 +950,7 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
     else
       p.merge_mode = blocks > 2 * sms ? kMergePdlChain : kMergePdlLoads;
   }
-  const bool cluster_mode =
-      p.merge_mode == kMergeCluster || p.merge_mode == kMergeClusterPdl || p.merge_mode == kMergeClusterPdlLoads;
+  const bool cluster_mode = merges_in_cluster(p);
   // Only a block alone on its SM (spread, or in a cluster) may hold a deeper ring than three
   // stages (a deeper ring measured no faster: NOTES.md); a cluster leader receives past it.
   const bool spread = p.spread && blocks <= sms;

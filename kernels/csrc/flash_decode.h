@@ -69,6 +69,10 @@ struct WriteKvParams {
   int row_bytes;                  // D * element size, a multiple of 16
 };
 
+// Merge modes 0..kMergeModes - 1 exist.
+constexpr int kMergeModes = 10;
+// Tokens of one K/V tile (a 32 KB pipeline stage of K and V): 128 at head_dim 64, 64 at 128.
+constexpr int tile_tokens(int head_dim) { return 8192 / head_dim; }
 // Blocks of fewer tiles than this copy whole pages whatever copy_rows says (measured: NOTES.md).
 constexpr int kCopyRowsMinTiles = 8;
 // Deepest ring of K/V stages a block may ask for (deeper than 3 only where it is alone on its SM).

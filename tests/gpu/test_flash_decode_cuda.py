@@ -233,16 +233,17 @@ def test_ring_depths(shape, num_splits, merge_mode, spread, fresh_seed):
         assert torch.equal(out, outs[0]), f"ring {ring} differs from the launcher's choice"
 
 
+# Every copy size the op accepts: a multiple of 8 dividing both the page and the tile.
+COPY_ROWS_CASES = [(shape, block_size, rows) for shape in [(9, 3, 64), (32, 8, 128)] for block_size in [16, 32, 64, 256]
+                   for rows in [8, 16, 32, 64] if min(block_size, ops.tile_tokens(shape[2])) % rows == 0]
+
+
 @pytest.mark.parametrize("num_splits", [1, 2])
-@pytest.mark.parametrize("copy_rows", [8, 16, 32, 64])
-@pytest.mark.parametrize("block_size", [16, 32, 64, 256])
-@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("shape,block_size,copy_rows", COPY_ROWS_CASES)
 def test_rows_per_bulk_copy(shape, block_size, copy_rows, num_splits, fresh_seed):
     """A tile fetched in smaller bulk copies than a page (or than a tile, for large pages), by the
     blocks of at least kCopyRowsMinTiles (8) tiles; shorter ones copy whole pages."""
     num_q, num_kv, dim = shape
-    if min(block_size, 8192 // dim) % copy_rows:
-        pytest.skip("copy_rows must divide the page and the tile")
     lengths = [1, 17, 130, 1000, 2049, 4097]
     check_against_oracle(lengths, num_q, num_kv, dim, block_size, torch.bfloat16, num_splits=num_splits,
                          seed=fresh_seed, copy_rows=copy_rows)
