@@ -95,18 +95,18 @@ class Case:
         self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
         self.workspace = Workspace(batch, num_q, dim, seq_len, device, num_kv_heads=num_kv)
         self.block_size = block_size
-        self.paged[block_size] = self._pack(block_size)
+        self.paged[block_size, True] = self._pack(block_size)
 
-    def _pack(self, block_size):
-        return [(q, *pack_paged(k, v, block_size)) for q, k, v in self.dense]
+    def _pack(self, block_size, shuffle=True):
+        return [(q, *pack_paged(k, v, block_size, shuffle=shuffle)) for q, k, v in self.dense]
 
-    def paged_sets(self, block_size):
-        if block_size not in self.paged:
-            self.paged[block_size] = self._pack(block_size)
-        return self.paged[block_size]
+    def paged_sets(self, block_size, shuffle=True):
+        if (block_size, shuffle) not in self.paged:
+            self.paged[block_size, shuffle] = self._pack(block_size, shuffle)
+        return self.paged[block_size, shuffle]
 
     def ours(self, block_size=None, num_splits=None, merge_mode=None, buffers=None, min_chunk=None, spread=False,
-             ring_stages=0, copy_rows=0, read_ahead=True):
+             ring_stages=0, copy_rows=0, read_ahead=True, shuffle=True):
         ws = self.workspace if buffers is None else buffers
 
         def make(q, kc, vc, bt):
@@ -119,7 +119,7 @@ class Case:
                 q, kc, vc, bt, self.seq_lens, q.shape[-1] ** -0.5, num_splits, ws.partial_out, ws.partial_lse,
                 ws.merge_counters, ops.DEFAULT_MERGE if merge_mode is None else merge_mode,
                 planner.MIN_CHUNK if min_chunk is None else min_chunk, spread, ring_stages, copy_rows, read_ahead)
-        return [make(*s) for s in self.paged_sets(block_size or self.block_size)]
+        return [make(*s) for s in self.paged_sets(block_size or self.block_size, shuffle)]
 
     def peer(self, backend):
         def make(q, k, v):
@@ -255,6 +255,8 @@ def main(argv=None):
                         help="cache rows per bulk copy to time beside the launcher's choice")
     parser.add_argument("--no-read-ahead", action="store_true",
                         help="also time the kernel reading nothing before its predecessor has finished")
+    parser.add_argument("--sequential-pages", action="store_true",
+                        help="also time a block table of consecutive blocks (the default is shuffled)")
     parser.add_argument("--max-kv-mb", type=float, default=MAX_KV_BYTES / 1e6, help="skip cases with more KV")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -274,6 +276,8 @@ def main(argv=None):
     variants += [(f"ours_copy{n}_us", f"copy rows {n}", {"copy_rows": n}) for n in args.copy_rows]
     if args.no_read_ahead:
         variants.append(("ours_no_read_ahead_us", "no read-ahead", {"read_ahead": False}))
+    if args.sequential_pages:
+        variants.append(("ours_sequential_us", "sequential pages", {"shuffle": False}))
     meta.update(launch_floor_us(device))
     print(f"launch floor: one trivial kernel {meta['one_kernel_us']:.2f} us per call, "
           f"two {meta['two_kernels_us']:.2f} us", flush=True)

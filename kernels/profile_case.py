@@ -21,17 +21,21 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--ring-stages", type=int, default=0)
+    parser.add_argument("--peer", choices=sorted(bench.PEERS), help="call this SDPA backend instead of ours")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     ops.load(device)
     shape = tuple(int(x) for x in args.shape.split("/"))
     case = bench.Case(shape, args.batch, args.seq_len, DEFAULT_BLOCK_SIZE, device)
-    calls = case.ours(ring_stages=args.ring_stages)
+    calls = case.peer(bench.PEERS[args.peer]) if args.peer else case.ours(ring_stages=args.ring_stages)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()  # a profiler run with --profile-from-start off sees these calls alone
     for i in range(args.calls):
         calls[i % len(calls)]()
     torch.cuda.synchronize()
-    print(f"{args.shape} B={args.batch} M={args.seq_len}: {args.calls} calls, "
-          f"{case.workspace.num_splits(args.batch)} splits")
+    torch.cuda.profiler.stop()
+    who = args.peer or f"ours, {case.workspace.num_splits(args.batch)} splits"
+    print(f"{args.shape} B={args.batch} M={args.seq_len}: {args.calls} calls ({who})")
 
 
 if __name__ == "__main__":
