@@ -106,7 +106,7 @@ class Case:
         return self.paged[block_size, shuffle]
 
     def ours(self, block_size=None, num_splits=None, merge_mode=None, buffers=None, min_chunk=None, spread=False,
-             ring_stages=0, copy_rows=0, read_ahead=True, shuffle=True):
+             ring_stages=0, copy_rows=0, read_ahead=True, warp_tokens=0, shuffle=True):
         ws = self.workspace if buffers is None else buffers
 
         def make(q, kc, vc, bt):
@@ -114,11 +114,12 @@ class Case:
                 return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=ws,
                                                      num_splits=num_splits, merge_mode=merge_mode, spread=spread,
                                                      ring_stages=ring_stages, copy_rows=copy_rows,
-                                                     read_ahead=read_ahead)
+                                                     read_ahead=read_ahead, warp_tokens=warp_tokens)
             return lambda: torch.ops.flashdecode.flash_decode(
                 q, kc, vc, bt, self.seq_lens, q.shape[-1] ** -0.5, num_splits, ws.partial_out, ws.partial_lse,
                 ws.merge_counters, ops.DEFAULT_MERGE if merge_mode is None else merge_mode,
-                planner.MIN_CHUNK if min_chunk is None else min_chunk, spread, ring_stages, copy_rows, read_ahead)
+                planner.MIN_CHUNK if min_chunk is None else min_chunk, spread, ring_stages, copy_rows, read_ahead,
+                warp_tokens)
         return [make(*s) for s in self.paged_sets(block_size or self.block_size, shuffle)]
 
     def peer(self, backend):
@@ -255,6 +256,11 @@ def main(argv=None):
                         help="cache rows per bulk copy to time beside the launcher's choice")
     parser.add_argument("--no-read-ahead", action="store_true",
                         help="also time the kernel reading nothing before its predecessor has finished")
+    parser.add_argument("--warp-tokens", type=int, nargs="*", default=[],
+                        help="tokens of a tile per consumer warp (16, or 32 at head_dim 64) to time beside the default")
+    parser.add_argument("--variant", nargs="*", default=[], metavar="ARG=N[,ARG=N]",
+                        help="launch arguments of ours together, e.g. warp_tokens=32,copy_rows=32 (integers)")
+    parser.add_argument("--repeat", type=int, default=1, help="time every case this many times (noise)")
     parser.add_argument("--sequential-pages", action="store_true",
                         help="also time a block table of consecutive blocks (the default is shuffled)")
     parser.add_argument("--max-kv-mb", type=float, default=MAX_KV_BYTES / 1e6, help="skip cases with more KV")
@@ -276,6 +282,10 @@ def main(argv=None):
     variants += [(f"ours_copy{n}_us", f"copy rows {n}", {"copy_rows": n}) for n in args.copy_rows]
     if args.no_read_ahead:
         variants.append(("ours_no_read_ahead_us", "no read-ahead", {"read_ahead": False}))
+    variants += [(f"ours_warp{n}_us", f"{n} tokens per warp", {"warp_tokens": n}) for n in args.warp_tokens]
+    for spec in args.variant:
+        kwargs = {k: int(v) for k, v in (item.split("=") for item in spec.split(","))}
+        variants.append((f"ours_{spec.replace('=', '').replace(',', '_')}_us", spec, kwargs))
     if args.sequential_pages:
         variants.append(("ours_sequential_us", "sequential pages", {"shuffle": False}))
     meta.update(launch_floor_us(device))
@@ -296,10 +306,23 @@ def main(argv=None):
                     continue
                 case = Case(shape, batch, seq_len, args.block_size, device)
                 row = {"shape": label, "batch": batch, "seq_len": seq_len, "kv_mb": nbytes / 1e6,
-                       "num_sets": case.num_sets, "num_splits": case.workspace.num_splits(batch),
-                       "ours_us": try_time(case.ours())}
-                for key, _, kwargs in variants:
-                    row[key] = try_time(case.ours(**kwargs))
+                       "num_sets": case.num_sets, "num_splits": case.workspace.num_splits(batch)}
+                timed = [("ours_us", {})] + [(key, kwargs) for key, _, kwargs in variants
+                                             if not (kwargs.get("warp_tokens", 0) > 16 and shape[2] != 64)]
+                samples = {key: [] for key, _ in timed}
+                buffers = SweepBuffers(batch, shape[0], shape[2], device) if any(
+                    "num_splits" in kwargs for _, kwargs in timed) else None
+                for _ in range(args.repeat):  # interleaved, so that drift on the host spreads evenly
+                    for key, kwargs in timed:
+                        extra = {"buffers": buffers} if "num_splits" in kwargs else {}
+                        samples[key].append(try_time(case.ours(**kwargs, **extra)))
+                for key, _, _ in variants:
+                    row[key] = None  # where the op refuses it (warp_tokens 32 at head_dim 128)
+                for key, values in samples.items():
+                    values = [v for v in values if v is not None]
+                    row[key] = statistics.median(values) if values else None
+                    if args.repeat > 1:
+                        row[key.replace("_us", "_all_us")] = values
                 if args.cluster_sweep:
                     buffers = SweepBuffers(batch, shape[0], shape[2], device)
                     cap = planner.max_splits_for(seq_len, ops.MAX_SPLITS)

@@ -68,7 +68,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("flashdecode::flash_decode")
     def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits,
                            partial_out, partial_lse, merge_counters, merge_mode=7, min_chunk=256,
-                           spread=False, ring_stages=0, copy_rows=0, read_ahead=True):
+                           spread=False, ring_stages=0, copy_rows=0, read_ahead=True, warp_tokens=0):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("flashdecode::write_kv")
@@ -167,7 +167,8 @@ def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_se
 
 
 def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None,
-                      merge_mode=None, min_chunk=None, spread=False, ring_stages=0, copy_rows=0, read_ahead=True):
+                      merge_mode=None, min_chunk=None, spread=False, ring_stages=0, copy_rows=0, read_ahead=True,
+                      warp_tokens=0):
     """``kernels.flash_decode`` for CUDA tensors; see ``kernels/__init__.py`` for the contract."""
     batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
                                                                                seq_lens)
@@ -195,6 +196,9 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     chunk = planner.MIN_CHUNK if min_chunk is None else int(min_chunk)
     if not 0 <= int(ring_stages) <= MAX_RING_STAGES:
         raise ValueError(f"ring_stages must be in 0..{MAX_RING_STAGES} (0: the launcher's choice), got {ring_stages}")
+    if warp_tokens not in (0, 16) and not (warp_tokens == 32 and head_dim == 64 and num_q_heads // num_kv_heads <= 8):
+        raise ValueError("warp_tokens must be 0 (the launcher's choice), 16, or 32 at head_dim 64 with at most "
+                         f"8 query heads per KV head, got {warp_tokens}")
     copy_span = min(block_size, tile_tokens(head_dim))
     if copy_rows and (copy_rows < 0 or copy_rows % 8 or copy_span % copy_rows):
         raise ValueError(f"copy_rows must be 0 (the launcher's choice) or a multiple of 8 dividing {copy_span}, "
@@ -202,7 +206,8 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, splits,
                                               workspace.partial_out, workspace.partial_lse,
                                               workspace.merge_counters, mode, chunk, bool(spread),
-                                              int(ring_stages), int(copy_rows), bool(read_ahead))
+                                              int(ring_stages), int(copy_rows), bool(read_ahead),
+                                              int(warp_tokens))
 
 
 def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):

@@ -13,6 +13,8 @@ RESIDENT_PER_SM = 2     # the CUDA kernel keeps two blocks per SM
 FILL = 0.95             # a plan must keep at least this share of the block slots busy
 ONE_WAVE_FILL = 0.9     # ... or of the SMs, for one block per SM (spread: no SM doubles up)
 TAIL_MIN_CHUNK = 8192   # splitting only to even out the last wave pays where splits keep this many tokens
+THREE_PER_SM = 3        # four-warp head_dim-64 blocks with rings of two stages: three fit on an SM
+THREE_PER_SM_MIN_LEN = 4096  # ... and pay for sequences this long (measured at 4096; at 512 they lost)
 
 
 def max_splits_for(max_seq_len: int, cap: int = 128) -> int:
@@ -24,10 +26,13 @@ def wave_fill(blocks: int, slots: int) -> float:
     return blocks / (slots * -(-blocks // slots))
 
 
-def plan_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_seq_len: int, cap: int = 128) -> int:
+def plan_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_seq_len: int, cap: int = 128,
+                    three_per_sm: bool = False) -> int:
     """Splits per (sequence, KV head), as measured best on the H200 (kernels/NOTES.md): one wave
     of one block per SM filling 90 % of the SMs, else an even wave of two per SM; else, for long
-    sequences, the fewest splits whose blocks fill whole waves; else one."""
+    sequences, the fewest splits whose blocks fill whole waves; else, where the kernel can run
+    three blocks per SM (``three_per_sm``: head_dim 64, at most eight query heads per KV head),
+    two splits that fill one such wave; else one."""
     if batch < 1 or num_kv_heads < 1:
         raise ValueError("batch and num_kv_heads must be positive")
     work_items = batch * num_kv_heads
@@ -42,4 +47,8 @@ def plan_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_seq_len: in
     for splits in range(1, tail_limit + 1):
         if wave_fill(work_items * splits, slots) >= FILL:
             return splits
+    wide_slots = THREE_PER_SM * num_sms
+    if (three_per_sm and limit >= 2 and max_seq_len >= THREE_PER_SM_MIN_LEN
+            and 2 * work_items <= wide_slots and wave_fill(2 * work_items, wide_slots) >= FILL):
+        return 2  # the launcher runs this grid as four-warp blocks, three per SM (flash_decode.cu)
     return 1

@@ -32,8 +32,10 @@ class Workspace:
         self.num_sms = device_sm_count(self.device)
         # The CUDA kernel runs one thread block per 16 query heads of a KV head's group.
         work_heads = self.num_kv_heads * -(-(num_q_heads // self.num_kv_heads) // 16)
+        group = num_q_heads // self.num_kv_heads
+        three_per_sm = head_dim == 64 and group <= 8 and self.device.type == "cuda"
         self._plan = [0] + [
-            plan_num_splits(b, work_heads, self.num_sms, max_seq_len, self.max_splits)
+            plan_num_splits(b, work_heads, self.num_sms, max_seq_len, self.max_splits, three_per_sm)
             for b in range(1, max_batch + 1)
         ]
         rows = max(b * self._plan[b] for b in range(1, max_batch + 1))

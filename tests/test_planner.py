@@ -20,11 +20,25 @@ def test_measured_plans(batch, kv_heads, max_len, expected):
     assert plan_num_splits(batch, kv_heads, H200_SMS, max_len) == expected
 
 
+@pytest.mark.parametrize("batch,kv_heads,max_len,expected", [
+    (64, 3, 4096, 2),      # 384 blocks: one wave of three four-warp blocks per SM (49.6 against 53.0 us)
+    (64, 3, 512, 1),       # too short: 9.7 against 8.6 us
+    (64, 3, 131072, 4),    # long: the wave-filling plan of two per SM comes first
+    (32, 3, 4096, 1),      # 192 blocks would fill half of the 396 slots
+    (8, 3, 4096, 5),       # the one-wave plans come first
+])
+def test_three_blocks_per_sm(batch, kv_heads, max_len, expected):
+    """Head_dim 64 with groups of at most eight heads: two splits where they fill one wave of three
+    blocks per SM."""
+    assert plan_num_splits(batch, kv_heads, H200_SMS, max_len, three_per_sm=True) == expected
+
+
+@pytest.mark.parametrize("three_per_sm", [False, True])
 @pytest.mark.parametrize("batch", [1, 2, 3, 7, 16, 64, 255, 256])
 @pytest.mark.parametrize("kv_heads", [1, 3, 8])
 @pytest.mark.parametrize("max_len", [1, 255, 256, 4097, 131072])
-def test_plans_stay_in_bounds(batch, kv_heads, max_len):
-    splits = plan_num_splits(batch, kv_heads, H200_SMS, max_len)
+def test_plans_stay_in_bounds(batch, kv_heads, max_len, three_per_sm):
+    splits = plan_num_splits(batch, kv_heads, H200_SMS, max_len, three_per_sm=three_per_sm)
     assert 1 <= splits <= max_splits_for(max_len)
     assert splits == 1 or max_len > (splits - 1) * MIN_CHUNK   # no split is empty by plan
 

@@ -29,26 +29,31 @@
 namespace flashdecode {
 namespace {
 
-constexpr int kWarpTokens = 16;                    // tokens per consumer warp per tile
 constexpr int kRows = kHeadsPerBlock;
 constexpr int kStageBytes = 32 * 1024;             // one tile of K and V
 constexpr int kStages = 3;                         // 96 KB: two blocks per SM
+constexpr int kMinStages = 2;                      // the shared memory of the epilogue and the merge
 constexpr int kMaxStages = kMaxRingStages;         // deeper only where a block is alone on its SM
 constexpr int kMergeThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -__builtin_huge_valf();
 
-// A tile is 32 KB of K+V: 128 tokens for D=64 (8 consumer warps), 64 for D=128 (4 warps). With
-// D=64, four warps' serial softmax chains could not keep up with the SM's share of bandwidth.
-template <int D>
+// A tile is 32 KB of K+V: 128 tokens for D=64, 64 for D=128. A consumer warp owns W of its tokens:
+// D=64 has 4 consumer warps of 32 (8 of 16 for groups of more than eight heads), D=128 4 of 16.
+template <int D, int W = 16>
 struct Shape {
+  static_assert(W == 16 || W == 32, "a consumer warp owns 16 or 32 tokens of a tile");
   static constexpr int kTile = tile_tokens(D);                   // tokens per pipeline stage
-  static constexpr int kConsumerWarps = kTile / kWarpTokens;
+  static constexpr int kWarpTokens = W;
+  static constexpr int kConsumerWarps = kTile / W;
   static constexpr int kProducerWarp = kConsumerWarps;
   static constexpr int kThreads = (kConsumerWarps + 1) * 32;
   static_assert(2 * kTile * D * 2 == kStageBytes, "a tile of K and V fills one stage");
-  static constexpr int kSmemBytes = kStages * kStageBytes;
+  static constexpr int kSmemBytes = kMinStages * kStageBytes;    // the least a block holds
+  // Two blocks per SM; three of the four-warp ones, with rings of two stages (which caps them at
+  // 128 registers: some scheduler then holds four of their warps).
+  static constexpr int kMinBlocks = W == 32 ? 3 : 2;
   static constexpr int kGroups = D / 32;                         // 16-byte loads per row per thread
   static constexpr int kOStride = D + 4;                         // padded fp32 row, epilogue
   static_assert(kConsumerWarps * kRows * kOStride * 4 <= kSmemBytes, "epilogue does not fit");
@@ -509,32 +514,40 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   if (lane == 0) record(kProducerWaits, waited);
 }
 
-// Online softmax for one row of this thread's 16 tokens (its four scores, log2 domain): the
-// row's running max m and sum l move on, the scores become their exponentials, and the factor
-// that rescales what was accumulated before is returned.
-__device__ __forceinline__ float softmax_step(float& m, float& l, float& a, float& b, float& c, float& d) {
-  const float new_m = fmaxf(m, quad_max(fmaxf(fmaxf(a, b), fmaxf(c, d))));
+// Online softmax for one row of this thread's tokens (its N scores x, log2 domain): the row's
+// running max m and sum l move on, the scores become their exponentials, and the factor that
+// rescales what was accumulated before is returned.
+template <int N>
+__device__ __forceinline__ float softmax_step(float& m, float& l, float (&x)[N]) {
+  float mx = fmaxf(x[0], x[1]);
+#pragma unroll
+  for (int k = 2; k < N; k += 2) mx = fmaxf(mx, fmaxf(x[k], x[k + 1]));
+  const float new_m = fmaxf(m, quad_max(mx));
   const float base = new_m == kNegInf ? 0.f : new_m;
   const float alpha = exp2_approx(m - base);
   m = new_m;
-  a = exp2_approx(a - base);
-  b = exp2_approx(b - base);
-  c = exp2_approx(c - base);
-  d = exp2_approx(d - base);
-  l = l * alpha + (a + b) + (c + d);
+  float acc = l * alpha;
+#pragma unroll
+  for (int k = 0; k < N; k += 2) {
+    x[k] = exp2_approx(x[k] - base);
+    x[k + 1] = exp2_approx(x[k + 1] - base);
+    acc = acc + (x[k] + x[k + 1]);
+  }
+  l = acc;
   return alpha;
 }
 
 // One consumer warp's pass over the split: online softmax state (m, l) per query-head row
-// (this thread's rows r and r + 8) and the output fragments o, unnormalised. Without kHi the
+// (this thread's rows r and r + 8) and the output fragments o, unnormalised. The warp owns W
+// tokens of each tile, in pieces of 8 (h); P V takes them 16 at a time (kk). Without kHi the
 // block serves at most eight query heads: rows r + 8 are padding and get no softmax work.
-template <typename T, int D, bool kHi>
+template <typename T, int D, int W, bool kHi>
 __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
                                         const T* stages,
                                         uint64_t* full, uint64_t* empty, float (&o)[D / 32][4][4], float& m_lo,
                                         float& m_hi, float& l_lo, float& l_hi) {
-  using S = Shape<D>;
-  constexpr int kTile = S::kTile;
+  using S = Shape<D, W>;
+  constexpr int kTile = S::kTile, kPieces = W / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, qd = lane % 4;
   const T* q = static_cast<const T*>(p.q) + w.b * p.q_stride_b;
@@ -553,21 +566,21 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
   long long waited = 0;
   for (int i = 0; i < n_tiles; ++i, slot.advance()) {
     const int stage = slot.stage;
-    const int t_warp = w.start + i * kTile + warp * kWarpTokens;
+    const int t_warp = w.start + i * kTile + warp * W;
     const long long t = clock_now();
     mbar_wait(&full[stage], slot.round & 1);
     if (i > 0) waited += clock_now() - t;
     if (i == 0 && warp == 0 && lane == 0) stamp(kFirstTile);
-    const T* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * kWarpTokens * D;
+    const T* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * W * D;
     const T* v_tile = k_tile + kTile * D;
     if (t_warp >= w.end || kCopyOnly) {
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[stage]);
       continue;
     }
-    float s[2][4];
+    float s[kPieces][4];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kPieces; ++h) {
       s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
 #pragma unroll
       for (int j = 0; j < S::kGroups; ++j) {
@@ -576,9 +589,9 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
         Elem<T>::mma(s[h], q_lo[j].z, q_hi[j].z, q_lo[j].w, q_hi[j].w, k.z, k.w);
       }
     }
-    uint4 v[2][S::kGroups];
+    uint4 v[kPieces][S::kGroups];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < kPieces; ++h)
 #pragma unroll
       for (int j = 0; j < S::kGroups; ++j)
         v[h][j] = *reinterpret_cast<const uint4*>(v_tile + (8 * h + r) * D + 32 * j + 8 * qd);
@@ -586,12 +599,12 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
     if (lane == 0) mbar_arrive(&empty[stage]);
 
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < kPieces; ++h)
 #pragma unroll
       for (int c = 0; c < 4; ++c) s[h][c] *= scale_log2;
-    if (t_warp + kWarpTokens > w.end) {  // the sequence ends inside this warp's tokens
+    if (t_warp + W > w.end) {  // the sequence ends inside this warp's tokens
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < kPieces; ++h) {
 #pragma unroll
         for (int c = 0; c < 4; ++c)
           if (t_warp + 8 * h + 2 * qd + (c & 1) >= w.end) s[h][c] = kNegInf;
@@ -600,15 +613,22 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
           for (int j = 0; j < S::kGroups; ++j) v[h][j] = zero;
       }
     }
-    const float alpha_lo = softmax_step(m_lo, l_lo, s[0][0], s[0][1], s[1][0], s[1][1]);
-    float alpha_hi = 1.f;
-    uint32_t p1 = 0, p3 = 0;
-    if constexpr (kHi) {
-      alpha_hi = softmax_step(m_hi, l_hi, s[0][2], s[0][3], s[1][2], s[1][3]);
-      p1 = Elem<T>::pack(s[0][2], s[0][3]);
-      p3 = Elem<T>::pack(s[1][2], s[1][3]);
+    float lo[2 * kPieces], hi[2 * kPieces];  // row r's scores, then row r + 8's
+#pragma unroll
+    for (int h = 0; h < kPieces; ++h) {
+      lo[2 * h] = s[h][0], lo[2 * h + 1] = s[h][1];
+      hi[2 * h] = s[h][2], hi[2 * h + 1] = s[h][3];
     }
-    const uint32_t p0 = Elem<T>::pack(s[0][0], s[0][1]), p2 = Elem<T>::pack(s[1][0], s[1][1]);
+    const float alpha_lo = softmax_step(m_lo, l_lo, lo);
+    const float alpha_hi = kHi ? softmax_step(m_hi, l_hi, hi) : 1.f;
+    uint32_t pa[W / 16][4];  // P as the A fragments of each 16 tokens
+#pragma unroll
+    for (int kk = 0; kk < W / 16; ++kk) {
+      pa[kk][0] = Elem<T>::pack(lo[4 * kk], lo[4 * kk + 1]);
+      pa[kk][1] = kHi ? Elem<T>::pack(hi[4 * kk], hi[4 * kk + 1]) : 0;
+      pa[kk][2] = Elem<T>::pack(lo[4 * kk + 2], lo[4 * kk + 3]);
+      pa[kk][3] = kHi ? Elem<T>::pack(hi[4 * kk + 2], hi[4 * kk + 3]) : 0;
+    }
 #pragma unroll
     for (int j = 0; j < S::kGroups; ++j)
 #pragma unroll
@@ -619,7 +639,10 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
           o[j][c][2] *= alpha_hi;
           o[j][c][3] *= alpha_hi;
         }
-        Elem<T>::mma(o[j][c], p0, p1, p2, p3, transpose8x8(word(v[0][j], c)), transpose8x8(word(v[1][j], c)));
+#pragma unroll
+        for (int kk = 0; kk < W / 16; ++kk)
+          Elem<T>::mma(o[j][c], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3],
+                       transpose8x8(word(v[2 * kk][j], c)), transpose8x8(word(v[2 * kk + 1][j], c)));
       }
   }
   l_lo = quad_sum(l_lo);
@@ -636,7 +659,7 @@ enum Sink { kToOutput, kToPartial, kToCluster };
 
 // Shared memory past a block's ring (and past the epilogue, which reuses the first stages).
 __host__ __device__ __forceinline__ int past_ring(const DecodeParams& p) {
-  return max(p.ring_stages, kStages) * kStageBytes;
+  return max(p.ring_stages, kMinStages) * kStageBytes;
 }
 
 // A cluster leader's receive area, past its ring: every split's LSEs (kRows each), then its rows.
@@ -651,10 +674,10 @@ __device__ __forceinline__ float* cluster_recv_rows(const DecodeParams& p, uint8
 // (producer warp and consumer warps), then the epilogue that combines the consumer warps and
 // writes the rows and their LSEs to ``sink`` (``slot``: the workspace row for kToPartial). Every
 // thread of the block calls it.
-template <typename T, int D>
+template <typename T, int D, int W>
 __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sink sink, int64_t slot, uint8_t* smem,
                                        uint64_t* full, uint64_t* empty) {
-  using S = Shape<D>;
+  using S = Shape<D, W>;
   constexpr int kTile = S::kTile, kConsumerWarps = S::kConsumerWarps, kThreads = S::kThreads;
   __shared__ float warp_max[kConsumerWarps][kRows], warp_sum[kConsumerWarps][kRows];
   __shared__ float row_lse[kRows];
@@ -675,10 +698,12 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
   float m_lo = kNegInf, m_hi = kNegInf, l_lo = 0.f, l_hi = 0.f;
   if (consumer) {
     wait_for_predecessor();  // q is the predecessor's output
-    if (w.rows > 8)
-      consume<T, D, true>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+    if constexpr (W == 32)  // the launcher gives 32-token warps groups of at most eight heads
+      consume<T, D, W, false>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+    else if (w.rows > 8)
+      consume<T, D, W, true>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
     else
-      consume<T, D, false>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+      consume<T, D, W, false>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
     if (qd == 0) {
       warp_max[warp][r] = m_lo;
       warp_max[warp][r + 8] = m_hi;
@@ -750,12 +775,12 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
 
 // A block with no tokens: an empty split contributes lse = -inf and no output; a grid of one split
 // (only for an invalid length of 0) writes zeros, never NaN.
-template <int D>
+template <int D, int W>
 __device__ __forceinline__ void write_empty(const DecodeParams& p, const Work& w, bool cluster, uint8_t* smem) {
   const int splits = gridDim.x, hq = p.num_q_heads;
   if (splits == 1) {
     uint16_t* out = static_cast<uint16_t*>(p.out) + ((int64_t)w.b * hq + w.q_head0) * D;
-    for (int idx = threadIdx.x; idx < w.rows * D; idx += Shape<D>::kThreads) out[idx] = 0;
+    for (int idx = threadIdx.x; idx < w.rows * D; idx += Shape<D, W>::kThreads) out[idx] = 0;
   } else if (cluster) {
     cluster_wait_started();
     if (threadIdx.x < w.rows)
@@ -767,19 +792,19 @@ __device__ __forceinline__ void write_empty(const DecodeParams& p, const Work& w
 
 // The ring's barriers: a full barrier per stage (the producer's byte count) and an empty one (every
 // consumer warp's release). Thread 0 initialises them; a block barrier must follow.
-template <int D>
+template <int D, int W>
 __device__ __forceinline__ void init_ring(const DecodeParams& p, uint64_t* full, uint64_t* empty) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.ring_stages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], Shape<D>::kConsumerWarps);
+      mbar_init(&empty[s], Shape<D, W>::kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const DecodeParams p) {
+template <typename T, int D, int W>
+__global__ void __launch_bounds__(Shape<D, W>::kThreads, Shape<D, W>::kMinBlocks) split_kernel(const DecodeParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ uint64_t full[kMaxStages], empty[kMaxStages];
   __shared__ int is_last;
@@ -792,7 +817,7 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
   // With read_ahead the length, the block ids and the first ring fill are asked for now; the
   // consumers wait before they read q, the producer before the rest of the ring (produce).
   if (!p.read_ahead) wait_for_predecessor();
-  init_ring<D>(p, full, empty);  // while the sequence length is in flight
+  init_ring<D, W>(p, full, empty);  // while the sequence length is in flight
 
   const Work w = block_work<D>(p);
   if (threadIdx.x == 0) stamp(kLength, w.len);
@@ -800,10 +825,10 @@ __global__ void __launch_bounds__(Shape<D>::kThreads, 2) split_kernel(const Deco
 
   if (w.start < w.end) {
     const Sink sink = splits == 1 ? kToOutput : cluster ? kToCluster : kToPartial;
-    attend<T, D>(p, w, sink, (int64_t)w.b * splits + blockIdx.x, smem, full, empty);
+    attend<T, D, W>(p, w, sink, (int64_t)w.b * splits + blockIdx.x, smem, full, empty);
   } else {
     wait_for_predecessor();
-    write_empty<D>(p, w, cluster, smem);
+    write_empty<D, W>(p, w, cluster, smem);
   }
   if (trigger_point(p) == kAtStores) pdl_trigger();
   if (threadIdx.x == 0) stamp(kStored);
@@ -851,10 +876,21 @@ int sm_count() {
   return n;
 }
 
+// Two splits of at most eight query heads at head_dim 64 whose blocks fill one wave of three per
+// SM (the planner's plan for 9/3/64 at B=64): four-warp blocks, 32 tokens per consumer warp (119
+// registers), rings of two stages, the two splits merging in a cluster. Measured: 9/3/64 B=64
+// M=4096 49.6 us against 53.0 for one split of eight-warp blocks, unevenly two or one per SM.
+bool three_per_sm(const DecodeParams& p) {
+  if (p.merge_mode != kMergeAuto || p.head_dim != 64 || p.num_splits != 2 || p.ring_stages != 0) return false;
+  if (p.num_q_heads > 8 * p.num_kv_heads) return false;
+  const int64_t blocks = 2LL * p.num_kv_heads * p.batch, sms = sm_count();
+  return blocks > 2 * sms && blocks <= 3 * sms;
+}
+
 // Whether a cluster of ``splits`` split blocks fits on this device (cached per device and size).
-template <typename T, int D>
+template <typename T, int D, int W>
 bool cluster_fits(int splits) {
-  using S = Shape<D>;
+  using S = Shape<D, W>;
   static int8_t known[64][kMaxClusterSplits + 1];  // 0 unknown, 1 fits, -1 does not
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return false;
@@ -862,7 +898,7 @@ bool cluster_fits(int splits) {
   int8_t k = __atomic_load_n(&slot, __ATOMIC_ACQUIRE);
   if (k != 0) return k > 0;
   cudaError_t err = splits <= 8 ? cudaSuccess
-                                 : cudaFuncSetAttribute(split_kernel<T, D>,
+                                 : cudaFuncSetAttribute(split_kernel<T, D, W>,
                                                         cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   if (err == cudaSuccess) {
     cudaLaunchConfig_t config = {};
@@ -877,7 +913,7 @@ bool cluster_fits(int splits) {
     config.attrs = attr;
     config.numAttrs = 1;
     int clusters = 0;
-    err = cudaOccupancyMaxActiveClusters(&clusters, split_kernel<T, D>, &config);
+    err = cudaOccupancyMaxActiveClusters(&clusters, split_kernel<T, D, W>, &config);
     if (err == cudaSuccess) {
       __atomic_store_n(&slot, int8_t(clusters > 0 ? 1 : -1), __ATOMIC_RELEASE);
       return clusters > 0;
@@ -891,10 +927,10 @@ bool cluster_fits(int splits) {
   return false;
 }
 
-template <typename T, int D>
+template <typename T, int D, int W>
 cudaError_t launch_split(const DecodeParams& p, dim3 grid, int smem_bytes, bool cluster, bool pdl,
                          cudaStream_t stream) {
-  using S = Shape<D>;
+  using S = Shape<D, W>;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(S::kThreads);
@@ -916,14 +952,14 @@ cudaError_t launch_split(const DecodeParams& p, dim3 grid, int smem_bytes, bool 
   }
   config.attrs = attr;
   config.numAttrs = n;
-  return cudaLaunchKernelEx(&config, split_kernel<T, D>, p);
+  return cudaLaunchKernelEx(&config, split_kernel<T, D, W>, p);
 }
 
-template <typename T, int D>
+template <typename T, int D, int W>
 cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
-  using S = Shape<D>;
+  using S = Shape<D, W>;
   static uint64_t smem_raised = 0;
-  cudaError_t err = allow_dynamic_smem(split_kernel<T, D>, kMaxSmemBytes, smem_raised);
+  cudaError_t err = allow_dynamic_smem(split_kernel<T, D, W>, kMaxSmemBytes, smem_raised);
   if (err != cudaSuccess) return err;
   DecodeParams p = params;
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -931,7 +967,11 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   const dim3 grid(p.num_splits, p.num_kv_heads * head_tiles, p.batch);
   const int64_t blocks = (int64_t)grid.x * grid.y * grid.z;
   const int sms = sm_count();
-  if (p.merge_mode == kMergeAuto) {
+  if (W == 32 && three_per_sm(p)) {
+    p.spread = false;
+    p.merge_mode = kMergeClusterPdlLoads;
+    p.ring_stages = kMinStages;
+  } else if (p.merge_mode == kMergeAuto) {
     // Every grid a PDL dependent that reads ahead, and lets the next grid in as early as it can
     // without its blocks landing unevenly (measured, NOTES.md):
     // - a one-wave grid is spread one block per SM (else early-placed blocks doubled up on some
@@ -942,7 +982,8 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
     // - a grid of more blocks than two per SM is placed whole before the next can start: every
     //   trigger at entry;
     // - in between (9/3/64 at B=64), mode 8: a grid of one split lets the next grid in once its
-    //   loads are issued; one of several splits merges by kernel as mode 4.
+    //   loads are issued; one of several splits merges by kernel as mode 4;
+    // - two splits of a grid that fills one wave of three four-warp blocks per SM: three_per_sm.
     p.spread = blocks <= sms;
     const bool small_clusters = p.num_splits == 2 || 2 * blocks <= sms;
     if (p.spread)
@@ -965,19 +1006,19 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   const int rows = group < kRows ? group : kRows;
   const int recv_bytes = kRecvLseBytes + p.num_splits * rows * D * 4;
   const bool cluster = cluster_mode && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
-                       past + recv_bytes <= kMaxSmemBytes && cluster_fits<T, D>(p.num_splits);
+                       past + recv_bytes <= kMaxSmemBytes && cluster_fits<T, D, W>(p.num_splits);
   if (cluster_mode && !cluster && p.num_splits > 1)  // too many splits for one cluster: merge by kernel
     p.merge_mode = p.merge_mode == kMergeCluster      ? kMergeKernelPdl
                    : p.merge_mode == kMergeClusterPdl ? kMergePdlLate
                                                       : kMergePdlChain;
   int smem = past + (cluster ? recv_bytes : 0);
-  if (cluster || spread) smem = max(smem, S::kSpreadSmemBytes);
+  if (spread || (cluster && p.spread)) smem = max(smem, S::kSpreadSmemBytes);  // clusters too share SMs unless spread
   // Made resident early (PDL) while its predecessor still held SMs, a grid of 1-2 blocks per SM
   // landed unevenly unless spread (measured: 32/8/128 B=8 M=32768 244 -> 307 us): modes 0-2 and 5
   // launch it plainly.
   const bool pdl = p.merge_mode == kMergePdlChain || p.merge_mode == kMergePdlLate || p.merge_mode == kMergeClusterPdl ||
                    p.merge_mode == kMergePdlLoads || p.merge_mode == kMergeClusterPdlLoads;
-  err = launch_split<T, D>(p, grid, smem, cluster, pdl, stream);
+  err = launch_split<T, D, W>(p, grid, smem, cluster, pdl, stream);
   if (err != cudaSuccess || p.num_splits == 1 || cluster || p.merge_mode == kMergeLastBlock) return err;
 
   const dim3 merge_grid(p.num_q_heads, p.batch);
@@ -1013,12 +1054,19 @@ __global__ void write_kv_kernel(const WriteKvParams p) {
 
 cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.num_splits < 1 || p.num_splits > kMaxSplits || p.batch < 1) return cudaErrorInvalidValue;
+  const int group = p.num_kv_heads > 0 ? p.num_q_heads / p.num_kv_heads : 0;
+  if (p.warp_tokens != 0 && p.warp_tokens != 16 && !(p.warp_tokens == 32 && p.head_dim == 64 && group <= 8))
+    return cudaErrorInvalidValue;
+  // Four consumer warps of 32 tokens beat eight of 16 at head_dim 64 (1.00-1.06x, NOTES.md); groups
+  // of more than eight heads keep eight warps, which hold the padding rows' softmax state.
+  const bool wide = p.warp_tokens == 32 || (p.warp_tokens == 0 && p.head_dim == 64 && group <= 8);
   if (p.dtype == DType::kBFloat16) {
-    if (p.head_dim == 64) return launch_typed<__nv_bfloat16, 64>(p, stream);
-    if (p.head_dim == 128) return launch_typed<__nv_bfloat16, 128>(p, stream);
+    if (p.head_dim == 64)
+      return wide ? launch_typed<__nv_bfloat16, 64, 32>(p, stream) : launch_typed<__nv_bfloat16, 64, 16>(p, stream);
+    if (p.head_dim == 128) return launch_typed<__nv_bfloat16, 128, 16>(p, stream);
   } else {
-    if (p.head_dim == 64) return launch_typed<__half, 64>(p, stream);
-    if (p.head_dim == 128) return launch_typed<__half, 128>(p, stream);
+    if (p.head_dim == 64) return wide ? launch_typed<__half, 64, 32>(p, stream) : launch_typed<__half, 64, 16>(p, stream);
+    if (p.head_dim == 128) return launch_typed<__half, 128, 16>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

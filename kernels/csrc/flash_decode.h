@@ -50,6 +50,9 @@ struct DecodeParams {
                                   // tiles (shorter blocks copy whole pages, or whole tiles of larger
                                   // ones): a multiple of 8 dividing the page and the tile (128 rows at
                                   // D=64, 64 at D=128); 0: the launcher's choice
+  int warp_tokens;                // tokens of a tile per consumer warp: 16, or 32 at head_dim 64 with groups
+                                  // of <= 8 query heads (half the consumer warps, each over twice the
+                                  // tokens); 0: the launcher's choice, 32 where allowed
   bool read_ahead;                // seq_lens, block_table and the cache's rows before seq_len - 1 are
                                   // read before the kernels ahead in the stream have finished: none
                                   // that may still run may write them (q and row seq_len - 1 they

@@ -87,7 +87,8 @@ def poison(workspace, out_shape, dtype):
 
 
 def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, num_splits=None, workspace=None,
-                         seed=None, min_chunk=None, merge_mode=None, spread=False, ring_stages=0, copy_rows=0):
+                         seed=None, min_chunk=None, merge_mode=None, spread=False, ring_stages=0, copy_rows=0,
+                         warp_tokens=0):
     k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, head_dim, block_size, dtype)
     batch = len(lengths)
     q = torch.randn(batch, num_q, head_dim, device=DEVICE, dtype=dtype)
@@ -96,13 +97,14 @@ def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, nu
         workspace = kernels.Workspace(batch, num_q, head_dim, table.shape[1] * block_size, DEVICE,
                                       num_kv_heads=num_kv)
     poison(workspace, q.shape, dtype)
-    if min_chunk is None and merge_mode is None and not spread and not ring_stages and not copy_rows:
+    if min_chunk is None and merge_mode is None and not (spread or ring_stages or copy_rows or warp_tokens):
         out = kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace,
                                    num_splits=num_splits)
     else:  # another merge mode, or smaller device-side chunks: more non-empty splits to merge
         out = ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace,
                                     num_splits=num_splits, min_chunk=min_chunk, merge_mode=merge_mode,
-                                    spread=spread, ring_stages=ring_stages, copy_rows=copy_rows)
+                                    spread=spread, ring_stages=ring_stages, copy_rows=copy_rows,
+                                    warp_tokens=warp_tokens)
     ref = oracle(q, k_cache, v_cache, table, seq_lens, scale)
     plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale)
     err = (out.double() - ref).abs().max().item()
@@ -233,6 +235,53 @@ def test_ring_depths(shape, num_splits, merge_mode, spread, fresh_seed):
         assert torch.equal(out, outs[0]), f"ring {ring} differs from the launcher's choice"
 
 
+@pytest.mark.parametrize("ring_stages", [0, 1])
+@pytest.mark.parametrize("merge_mode,spread", [(None, False), (ops.MERGE_KERNEL_PDL, False),
+                                               (ops.MERGE_CLUSTER_PDL_LOADS, True), (ops.MERGE_LAST_BLOCK, False)])
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize("dtype,group,block_size", [(torch.bfloat16, 1, 16), (torch.float16, 3, 32),
+                                                    (torch.bfloat16, 4, 256), (torch.float16, 8, 64)])
+@pytest.mark.parametrize("warp_tokens", [16, 32])
+def test_consumer_warp_layouts(warp_tokens, dtype, group, block_size, num_splits, merge_mode, spread, ring_stages,
+                               fresh_seed):
+    """Head_dim 64 with four consumer warps of 32 tokens each (the default for groups of at most
+    eight heads) and with eight of 16: lengths that end inside a warp's first or second 16 tokens,
+    one stage that the producer refills at once, every merge. (32 tokens for groups of more than
+    eight heads are refused: tested with the other bad input.)"""
+    num_kv = 2
+    lengths = [1, 17, 33, 127, 2000] + torch.randint(1, 5000, (2,)).tolist()
+    ws = kernels.Workspace(len(lengths) * num_splits, group * num_kv, 64, 5024, DEVICE, num_kv_heads=num_kv,
+                           max_splits=16)
+    check_against_oracle(lengths, group * num_kv, num_kv, 64, block_size, dtype, num_splits=num_splits,
+                         workspace=ws, seed=fresh_seed, merge_mode=merge_mode, spread=spread,
+                         ring_stages=ring_stages, warp_tokens=warp_tokens)
+
+
+@pytest.mark.parametrize("shape,batch", [((9, 3, 64), 64), ((8, 2, 64), 96)])
+def test_three_blocks_per_sm(shape, batch, fresh_seed):
+    """Two splits whose 384 blocks fill one wave of three per SM on the H200: the launcher runs
+    them as four-warp blocks with rings of two stages merging in clusters of two. Ragged lengths
+    (1 leaves split 1 empty), eager against the float64 oracle, then graph replay equal to eager."""
+    num_q, num_kv, dim = shape
+    lengths = [1, 130, 4096] + torch.randint(1, 4097, (batch - 3,)).tolist()
+    k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, dim, 32, torch.bfloat16)
+    ws = kernels.Workspace(batch, num_q, dim, 4096, DEVICE, num_kv_heads=num_kv)
+    if ws.num_sms == 132:
+        assert ws.num_splits(batch) == 2  # the planner's plan for this grid on the H200
+    q = torch.randn(batch, num_q, dim, device=DEVICE, dtype=torch.bfloat16)
+    poison(ws, q.shape, q.dtype)
+    eager = ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws)
+    ref = oracle(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
+    plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
+    assert (eager.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws)
+    static_out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(static_out, eager)
+
+
 # Every copy size the op accepts: a multiple of 8 dividing both the page and the tile.
 COPY_ROWS_CASES = [(shape, block_size, rows) for shape in [(9, 3, 64), (32, 8, 128)] for block_size in [16, 32, 64, 256]
                    for rows in [8, 16, 32, 64] if min(block_size, ops.tile_tokens(shape[2])) % rows == 0]
@@ -309,13 +358,15 @@ def test_graph_replay_equals_eager(merge_mode):
 # B=4), one split triggering once its loads are issued, and two-split clusters doing the same.
 READ_AHEAD_PLANS = {"auto": {}, "one split": {"num_splits": 1, "merge_mode": ops.MERGE_PDL_LOADS},
                     "cluster": {"num_splits": 2, "merge_mode": ops.MERGE_CLUSTER_PDL_LOADS}}
+# At head_dim 64 the plans run again with eight consumer warps of 16 tokens (the default is four of 32).
+READ_AHEAD_CASES = [(shape, plan, warp_tokens) for shape in [(9, 3, 64), (32, 8, 128)] for plan in READ_AHEAD_PLANS
+                    for warp_tokens in ([0, 16] if shape[2] == 64 else [0])]
 
 
-@pytest.mark.parametrize("plan", list(READ_AHEAD_PLANS))
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("read_ahead", [True, False])
-@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])
-def test_read_ahead_waits_for_the_new_row_and_q(shape, read_ahead, graph, plan, fresh_seed):
+@pytest.mark.parametrize("shape,plan,warp_tokens", READ_AHEAD_CASES)
+def test_read_ahead_waits_for_the_new_row_and_q(shape, plan, warp_tokens, read_ahead, graph, fresh_seed):
     """A decode step's chain, as the engine runs it: projections, then the rotary embedding that
     rotates q in place and writes row len - 1 of the cache, then flash_decode twice. Each is a PDL
     kernel that lets its successor in at once, so under graph replay flash_decode reads ahead while
@@ -348,7 +399,7 @@ def test_read_ahead_waits_for_the_new_row_and_q(shape, read_ahead, graph, plan, 
         layer_ops.rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slots, num_q)
         q = qkv[:, :num_q * dim].unflatten(1, (num_q, dim))
         outs = [ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, read_ahead=read_ahead,
-                                      **READ_AHEAD_PLANS[plan]) for _ in range(2)]
+                                      warp_tokens=warp_tokens, **READ_AHEAD_PLANS[plan]) for _ in range(2)]
         return q, outs
 
     def new_round():
@@ -426,6 +477,16 @@ def test_rejects_unsupported_inputs():
     for ring in (-1, ops.MAX_RING_STAGES + 1):
         with pytest.raises(ValueError, match="ring_stages"):
             ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, ring_stages=ring)
+    for tokens in (8, 24, 64):
+        with pytest.raises(ValueError, match="warp_tokens"):
+            ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, warp_tokens=tokens)
+    q_wide_group = torch.zeros(2, 18, 64, device=DEVICE, dtype=torch.bfloat16)  # 9 heads per KV head
+    with pytest.raises(ValueError, match="warp_tokens"):
+        ops.flash_decode_cuda(q_wide_group, k_cache, v_cache, table, seq_lens, warp_tokens=32)
+    q128, kc128 = (torch.zeros(2, 4, 128, device=DEVICE, dtype=torch.bfloat16),
+                   torch.zeros(4, 2, 16, 128, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="warp_tokens"):
+        ops.flash_decode_cuda(q128, kc128, kc128.clone(), table, seq_lens, warp_tokens=32)
 
 
 def test_no_host_sync_and_no_allocation_but_output():
