@@ -45,7 +45,6 @@ template <int D, int W = 16>
 struct Shape {
   static_assert(W == 16 || W == 32, "a consumer warp owns 16 or 32 tokens of a tile");
   static constexpr int kTile = tile_tokens(D);                   // tokens per pipeline stage
-  static constexpr int kWarpTokens = W;
   static constexpr int kConsumerWarps = kTile / W;
   static constexpr int kProducerWarp = kConsumerWarps;
   static constexpr int kThreads = (kConsumerWarps + 1) * 32;
