@@ -4,8 +4,9 @@
 // over one split of one sequence. A producer warp streams the split's K/V tiles (32 KB: 64 tokens
 // at D=128, 128 at D=64; each page's per-head rows are contiguous, so one cp.async.bulk per page)
 // into a ring of shared-memory stages guarded by mbarriers. Each consumer warp owns 16 tokens of a
-// tile: S = Q K^T and O += P V on the tensor cores (m16n8k16, fp32 accumulation) with an online
-// softmax per warp; the warps' states are combined at the end of the split. With more than one
+// tile (32 at head_dim 64 for groups of at most eight heads: four warps instead of eight): S = Q K^T
+// and O += P V on the tensor cores (m16n8k16, fp32 accumulation) with an online softmax per warp;
+// the warps' states are combined at the end of the split. With more than one
 // split the partials are merged exactly, by one of the launch plans of flash_decode.h: the
 // default (kMergeAuto, launch_typed) has the splits of a (sequence, head group) form a cluster
 // and push their rows into the leader's shared memory where that pays, and otherwise writes them
