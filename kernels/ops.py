@@ -180,7 +180,10 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
           or workspace.partial_out.device != q.device):
         raise ValueError(f"workspace is for Hq={workspace.num_q_heads}, D={workspace.head_dim} on "
                          f"{workspace.partial_out.device}; this call has Hq={num_q_heads}, D={head_dim} on {q.device}")
-    splits = workspace.num_splits(batch) if num_splits is None else int(num_splits)
+    mode = DEFAULT_MERGE if merge_mode is None else int(merge_mode)
+    # The planner's two splits of three blocks per SM need the launcher's choices (flash_decode.cu).
+    launcher_plan = mode == MERGE_AUTO and not ring_stages and warp_tokens != 16
+    splits = workspace.num_splits(batch, launcher_plan) if num_splits is None else int(num_splits)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {splits}")
     if splits > 1 and not workspace.fits(batch, splits):
@@ -190,7 +193,6 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     if splits > 1 and workspace.merge_counters.numel() < batch * num_kv_heads * head_tiles:
         raise ValueError("workspace.merge_counters is too small for this batch and head layout")
     scale = head_dim ** -0.5 if scale is None else float(scale)
-    mode = DEFAULT_MERGE if merge_mode is None else int(merge_mode)
     if mode not in MERGE_MODES:
         raise ValueError(f"merge_mode must be one of {MERGE_MODES} (kernels.ops.MERGE_*), got {merge_mode}")
     chunk = planner.MIN_CHUNK if min_chunk is None else int(min_chunk)

@@ -9,7 +9,7 @@ own length evenly among those splits on the device; splits that start past its e
 """
 
 MIN_CHUNK = 256         # a split never gets fewer tokens (on the device too): fewer cost more to merge
-RESIDENT_PER_SM = 2     # the CUDA kernel keeps two blocks per SM
+RESIDENT_PER_SM = 2     # the CUDA kernel keeps two blocks per SM (three in the THREE_PER_SM plan)
 FILL = 0.95             # a plan must keep at least this share of the block slots busy
 ONE_WAVE_FILL = 0.9     # ... or of the SMs, for one block per SM (spread: no SM doubles up)
 TAIL_MIN_CHUNK = 8192   # splitting only to even out the last wave pays where splits keep this many tokens

@@ -34,11 +34,12 @@ class Workspace:
         work_heads = self.num_kv_heads * -(-(num_q_heads // self.num_kv_heads) // 16)
         group = num_q_heads // self.num_kv_heads
         three_per_sm = head_dim == 64 and group <= 8 and self.device.type == "cuda"
-        self._plan = [0] + [
-            plan_num_splits(b, work_heads, self.num_sms, max_seq_len, self.max_splits, three_per_sm)
-            for b in range(1, max_batch + 1)
-        ]
-        rows = max(b * self._plan[b] for b in range(1, max_batch + 1))
+        # The launcher's plan (the kernel may run three blocks per SM), and the one for calls whose
+        # launch arguments rule that out (an explicit merge mode, ring depth or warp layout).
+        self._plan, self._plain_plan = ([0] + [
+            plan_num_splits(b, work_heads, self.num_sms, max_seq_len, self.max_splits, wide)
+            for b in range(1, max_batch + 1)] for wide in (three_per_sm, False))
+        rows = max(b * max(self._plan[b], self._plain_plan[b]) for b in range(1, max_batch + 1))
         rows = max(rows, self.max_splits)           # any batch-1 call may ask for max_splits
         self.capacity_rows = rows
         self.partial_out = torch.empty(rows, num_q_heads, head_dim, dtype=torch.float32, device=self.device)
@@ -46,10 +47,12 @@ class Workspace:
         # One counter per (sequence, thread-block head group); num_q_heads bounds the groups.
         self.merge_counters = torch.zeros(max_batch * num_q_heads, dtype=torch.int32, device=self.device)
 
-    def num_splits(self, batch: int) -> int:
+    def num_splits(self, batch: int, three_per_sm: bool = True) -> int:
+        """The split count of a call of ``batch`` sequences; ``three_per_sm=False`` for a call whose
+        launch arguments keep the kernel from running three blocks per SM."""
         if not 1 <= batch <= self.max_batch:
             raise ValueError(f"batch {batch} outside this workspace's 1..{self.max_batch}")
-        return self._plan[batch]
+        return (self._plan if three_per_sm else self._plain_plan)[batch]
 
     def fits(self, batch: int, num_splits: int) -> bool:
         return batch <= self.max_batch and batch * num_splits <= self.capacity_rows and num_splits <= self.max_splits

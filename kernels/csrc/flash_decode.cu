@@ -42,7 +42,7 @@ constexpr float kNegInf = -__builtin_huge_valf();
 
 // A tile is 32 KB of K+V: 128 tokens for D=64, 64 for D=128. A consumer warp owns W of its tokens:
 // D=64 has 4 consumer warps of 32 (8 of 16 for groups of more than eight heads), D=128 4 of 16.
-template <int D, int W = 16>
+template <int D, int W>
 struct Shape {
   static_assert(W == 16 || W == 32, "a consumer warp owns 16 or 32 tokens of a tile");
   static constexpr int kTile = tile_tokens(D);                   // tokens per pipeline stage
@@ -285,7 +285,7 @@ struct Work {
 
 template <int D>
 __device__ __forceinline__ Work block_work(const DecodeParams& p) {
-  constexpr int kTile = Shape<D>::kTile;
+  constexpr int kTile = tile_tokens(D);
   Work w;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int head_tiles = (group + kRows - 1) / kRows;
@@ -452,8 +452,7 @@ struct RingSlot {
 template <typename T, int D>
 __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
                                         T* stages, uint64_t* full, uint64_t* empty) {
-  using S = Shape<D>;
-  constexpr int kTile = S::kTile;
+  constexpr int kTile = tile_tokens(D);
   const int lane = threadIdx.x % 32;
   const int bs = p.block_size;
   // A tile is fetched in kTile / copy_rows bulk copies per K and V, one per lane; copy_rows
@@ -877,9 +876,9 @@ int sm_count() {
 }
 
 // Two splits of at most eight query heads at head_dim 64 whose blocks fill one wave of three per
-// SM (the planner's plan for 9/3/64 at B=64): four-warp blocks, 32 tokens per consumer warp (119
-// registers), rings of two stages, the two splits merging in a cluster. Measured: 9/3/64 B=64
-// M=4096 49.6 us against 53.0 for one split of eight-warp blocks, unevenly two or one per SM.
+// SM (the planner's THREE_PER_SM plan, e.g. 9/3/64 at B=64): four-warp blocks of 32 tokens per
+// consumer warp, rings of two stages, the two splits merging in a cluster (NOTES.md: faster than
+// one split of eight-warp blocks landing two or one per SM).
 bool three_per_sm(const DecodeParams& p) {
   if (p.merge_mode != kMergeAuto || p.head_dim != 64 || p.num_splits != 2 || p.ring_stages != 0) return false;
   if (p.num_q_heads > 8 * p.num_kv_heads) return false;
@@ -992,8 +991,9 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
       p.merge_mode = blocks > 2 * sms ? kMergePdlChain : kMergePdlLoads;
   }
   const bool cluster_mode = merges_in_cluster(p);
-  // Only a block alone on its SM (spread, or in a cluster) may hold a deeper ring than three
-  // stages (a deeper ring measured no faster: NOTES.md); a cluster leader receives past it.
+  // Only a spread block or a cluster's may hold a deeper ring than three stages (a deeper ring
+  // measured no faster: NOTES.md; it leaves no room for a second block); a cluster leader
+  // receives past it.
   const bool spread = p.spread && blocks <= sms;
   const bool alone = cluster_mode || spread;
   // Blocks that share an SM stream long sequences faster in copies of 16 rows than of whole
@@ -1057,7 +1057,7 @@ cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
   const int group = p.num_kv_heads > 0 ? p.num_q_heads / p.num_kv_heads : 0;
   if (p.warp_tokens != 0 && p.warp_tokens != 16 && !(p.warp_tokens == 32 && p.head_dim == 64 && group <= 8))
     return cudaErrorInvalidValue;
-  // Four consumer warps of 32 tokens beat eight of 16 at head_dim 64 (1.00-1.06x, NOTES.md); groups
+  // Four consumer warps of 32 tokens beat eight of 16 at head_dim 64 (NOTES.md); groups
   // of more than eight heads keep eight warps, which hold the padding rows' softmax state.
   const bool wide = p.warp_tokens == 32 || (p.warp_tokens == 0 && p.head_dim == 64 && group <= 8);
   if (p.dtype == DType::kBFloat16) {

@@ -43,9 +43,11 @@ struct DecodeParams {
   DType dtype;
   int merge_mode;
   bool spread;                    // a grid of at most one block per SM asks for enough shared
-                                  // memory that no SM can take two of its blocks
+                                  // memory that no SM can take two of its blocks (cluster grids too;
+                                  // without spread their blocks may share SMs)
   int ring_stages;                // K/V tiles in flight per block, 1..kMaxRingStages; 0: the launcher's
-                                  // choice (3). More than 3 only where a block is alone on its SM.
+                                  // choice (3; 2 in the three-per-SM plan). More than 3 only for
+                                  // spread or cluster grids.
   int copy_rows;                  // cache rows per bulk copy in a block of at least kCopyRowsMinTiles
                                   // tiles (shorter blocks copy whole pages, or whole tiles of larger
                                   // ones): a multiple of 8 dividing the page and the tile (128 rows at
