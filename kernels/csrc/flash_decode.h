@@ -55,6 +55,8 @@ struct DecodeParams {
   int warp_tokens;                // tokens of a tile per consumer warp: 16, or 32 at head_dim 64 with groups
                                   // of <= 8 query heads (half the consumer warps, each over twice the
                                   // tokens); 0: the launcher's choice, 32 where allowed
+  bool merge_one_trip;            // the merge kernel's row in one round trip to memory where that pays
+                                  // (16-64 splits at head_dim 64, 16-32 at 128); false: two always
   bool read_ahead;                // seq_lens, block_table and the cache's rows before seq_len - 1 are
                                   // read before the kernels ahead in the stream have finished: none
                                   // that may still run may write them (q and row seq_len - 1 they

@@ -196,6 +196,27 @@ def test_merge_modes_agree():
         assert torch.equal(out, wide[0])
 
 
+@pytest.mark.parametrize("merge_mode", [ops.MERGE_KERNEL_PDL, ops.MERGE_PDL_CHAIN])
+@pytest.mark.parametrize("shape,num_splits", [((32, 8, 128), 16), ((32, 8, 128), 32), ((32, 8, 128), 33),
+                                              ((9, 3, 64), 16), ((9, 3, 64), 44), ((9, 3, 64), 64), ((9, 3, 64), 65)])
+def test_merge_in_one_trip_equals_two(shape, num_splits, merge_mode):
+    """The merge kernel's row in one round trip (the weights derived by every warp while the
+    partial rows load; the default from 16 splits) gives the same bits as in two
+    (``merge_one_trip=False``); past 64 splits at head_dim 64 (32 at 128) it takes two. Lengths 17
+    and 1 leave most splits empty: their partial rows hold NaN."""
+    num_q, num_kv, dim = shape
+    k_cache, v_cache, table, seq_lens = make_paged([3000, 17, 1], num_kv, dim, 32, torch.bfloat16)
+    q = torch.randn(3, num_q, dim, device=DEVICE, dtype=torch.bfloat16)
+    ws = kernels.Workspace(3 * num_splits, num_q, dim, 4096, DEVICE, num_kv_heads=num_kv, max_splits=128)
+    outs = []
+    for one_trip in (False, True):
+        poison(ws, q.shape, q.dtype)
+        outs.append(ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, num_splits=num_splits,
+                                          merge_mode=merge_mode, min_chunk=1, merge_one_trip=one_trip))
+    assert torch.isfinite(outs[1]).all()
+    assert torch.equal(outs[1], outs[0])
+
+
 @pytest.mark.parametrize("spread", [False, True])
 @pytest.mark.parametrize("merge_mode", [ops.MERGE_CLUSTER, ops.MERGE_CLUSTER_PDL, ops.MERGE_PDL_LATE, ops.MERGE_AUTO,
                                         ops.MERGE_PDL_LOADS, ops.MERGE_CLUSTER_PDL_LOADS])
