@@ -69,7 +69,7 @@ def _register_fakes() -> None:
     def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits,
                            partial_out, partial_lse, merge_counters, merge_mode=7, min_chunk=256,
                            spread=False, ring_stages=0, copy_rows=0, read_ahead=True, warp_tokens=0,
-                           merge_one_trip=True):
+                           merge_one_trip=True, steal=True):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("flashdecode::write_kv")
@@ -169,7 +169,7 @@ def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_se
 
 def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None,
                       merge_mode=None, min_chunk=None, spread=False, ring_stages=0, copy_rows=0, read_ahead=True,
-                      warp_tokens=0, merge_one_trip=True):
+                      warp_tokens=0, merge_one_trip=True, steal=True):
     """``kernels.flash_decode`` for CUDA tensors; see ``kernels/__init__.py`` for the contract."""
     batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
                                                                                seq_lens)
@@ -210,7 +210,7 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
                                               workspace.partial_out, workspace.partial_lse,
                                               workspace.merge_counters, mode, chunk, bool(spread),
                                               int(ring_stages), int(copy_rows), bool(read_ahead),
-                                              int(warp_tokens), bool(merge_one_trip))
+                                              int(warp_tokens), bool(merge_one_trip), bool(steal))
 
 
 def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):

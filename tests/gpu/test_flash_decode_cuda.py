@@ -304,6 +304,47 @@ def test_three_blocks_per_sm(shape, fresh_seed):
     assert torch.equal(static_out, eager)
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])
+def test_splits_share_their_last_tiles(shape, block_size, fresh_seed):
+    """A spread grid that merges by kernel: the splits of a sequence of at least 16 tiles per split
+    stream three quarters in fixed ranges and take the rest one tile at a time from a counter in
+    the workspace, which the merge kernel zeroes. Sequences below that (and lengths ending inside a
+    tile) keep fixed ranges in the same grid. Several calls in a row and graph replays, each
+    against the float64 oracle; the counters are zero after every call. Which split takes which
+    tile varies between calls, so replay is checked for accuracy, not bit for bit."""
+    num_q, num_kv, dim = shape
+    splits, tile = 5, ops.tile_tokens(dim)
+    lengths = [16 * splits * tile + 1, 16 * splits * tile - 1, 40000, 3 * tile + 5, 1]
+    k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, dim, block_size, torch.bfloat16)
+    ws = kernels.Workspace(len(lengths), num_q, dim, table.shape[1] * block_size, DEVICE, num_kv_heads=num_kv)
+    q = torch.randn(len(lengths), num_q, dim, device=DEVICE, dtype=torch.bfloat16)
+
+    def call(steal=True):
+        return ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, num_splits=splits,
+                                     steal=steal)
+
+    def check(out):
+        ref = oracle(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
+        plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
+        assert torch.isfinite(out).all()
+        assert (out.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
+        assert not ws.merge_counters.any(), "a pool counter was left non-zero"
+
+    for steal in (True, False, True, True):
+        poison(ws, q.shape, q.dtype)
+        check(call(steal))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = call()
+    for _ in range(3):
+        q.copy_(torch.randn_like(q))
+        poison(ws, q.shape, q.dtype)
+        static_out.fill_(float("nan"))
+        graph.replay()
+        check(static_out)
+
+
 # Every copy size the op accepts: a multiple of 8 dividing both the page and the tile.
 COPY_ROWS_CASES = [(shape, block_size, rows) for shape in [(9, 3, 64), (32, 8, 128)] for block_size in [16, 32, 64, 256]
                    for rows in [8, 16, 32, 64] if min(block_size, ops.tile_tokens(shape[2])) % rows == 0]
