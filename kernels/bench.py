@@ -106,7 +106,7 @@ class Case:
         return self.paged[block_size, shuffle]
 
     def ours(self, block_size=None, num_splits=None, merge_mode=None, buffers=None, min_chunk=None, spread=False,
-             ring_stages=0, copy_rows=0, read_ahead=True, warp_tokens=0, merge_one_trip=True, steal=True,
+             ring_stages=0, copy_rows=0, read_ahead=True, warp_tokens=0, merge_one_trip=True, ahead_tiles=0,
              shuffle=True):
         ws = self.workspace if buffers is None else buffers
 
@@ -116,12 +116,12 @@ class Case:
                                                      num_splits=num_splits, merge_mode=merge_mode, spread=spread,
                                                      ring_stages=ring_stages, copy_rows=copy_rows,
                                                      read_ahead=read_ahead, warp_tokens=warp_tokens,
-                                                     merge_one_trip=merge_one_trip, steal=steal)
+                                                     merge_one_trip=merge_one_trip, ahead_tiles=ahead_tiles)
             return lambda: torch.ops.flashdecode.flash_decode(
                 q, kc, vc, bt, self.seq_lens, q.shape[-1] ** -0.5, num_splits, ws.partial_out, ws.partial_lse,
                 ws.merge_counters, ops.DEFAULT_MERGE if merge_mode is None else merge_mode,
                 planner.MIN_CHUNK if min_chunk is None else min_chunk, spread, ring_stages, copy_rows, read_ahead,
-                warp_tokens, bool(merge_one_trip), bool(steal))
+                warp_tokens, bool(merge_one_trip), int(ahead_tiles))
         return [make(*s) for s in self.paged_sets(block_size or self.block_size, shuffle)]
 
     def peer(self, backend):

@@ -69,7 +69,7 @@ def _register_fakes() -> None:
     def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits,
                            partial_out, partial_lse, merge_counters, merge_mode=7, min_chunk=256,
                            spread=False, ring_stages=0, copy_rows=0, read_ahead=True, warp_tokens=0,
-                           merge_one_trip=True, steal=True):
+                           merge_one_trip=True, ahead_tiles=0):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("flashdecode::write_kv")
@@ -169,7 +169,7 @@ def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_se
 
 def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None,
                       merge_mode=None, min_chunk=None, spread=False, ring_stages=0, copy_rows=0, read_ahead=True,
-                      warp_tokens=0, merge_one_trip=True, steal=True):
+                      warp_tokens=0, merge_one_trip=True, ahead_tiles=0):
     """``kernels.flash_decode`` for CUDA tensors; see ``kernels/__init__.py`` for the contract."""
     batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
                                                                                seq_lens)
@@ -202,6 +202,8 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     if warp_tokens not in (0, 16) and not (warp_tokens == 32 and head_dim == 64 and num_q_heads // num_kv_heads <= 8):
         raise ValueError("warp_tokens must be 0 (the launcher's choice), 16, or 32 at head_dim 64 with at most "
                          f"8 query heads per KV head, got {warp_tokens}")
+    if not 0 <= int(ahead_tiles) <= MAX_RING_STAGES:
+        raise ValueError(f"ahead_tiles must be in 0..{MAX_RING_STAGES} (0: the launcher's choice), got {ahead_tiles}")
     copy_span = min(block_size, tile_tokens(head_dim))
     if copy_rows and (copy_rows < 0 or copy_rows % 8 or copy_span % copy_rows):
         raise ValueError(f"copy_rows must be 0 (the launcher's choice) or a multiple of 8 dividing {copy_span}, "
@@ -210,7 +212,7 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
                                               workspace.partial_out, workspace.partial_lse,
                                               workspace.merge_counters, mode, chunk, bool(spread),
                                               int(ring_stages), int(copy_rows), bool(read_ahead),
-                                              int(warp_tokens), bool(merge_one_trip), bool(steal))
+                                              int(warp_tokens), bool(merge_one_trip), int(ahead_tiles))
 
 
 def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):

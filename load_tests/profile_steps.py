@@ -48,12 +48,14 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--block-size", type=int, default=None, help="KV cache block size (default: the engine's)")
     ap.add_argument("--out", type=Path, default=Path("results/profile"))
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     loaded = load_model(args.model, device="cuda")
+    sizing = {} if args.block_size is None else {"block_size": args.block_size}
     core = EngineCore(loaded, EngineConfig(max_batch=max(args.batch), num_blocks=8192, compile=args.compile,
-                                           max_model_len=4096),
+                                           max_model_len=4096, **sizing),
                       publish=lambda pairs, stats: None)
     prompt = list(range(1000, 1000 + args.prompt_len))
     counter = iter(range(10**9))

@@ -25,7 +25,8 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t num_splits,
                         at::Tensor& partial_out, at::Tensor& partial_lse, at::Tensor& merge_counters,
                         int64_t merge_mode, int64_t min_chunk, bool spread, int64_t ring_stages,
-                        int64_t copy_rows, bool read_ahead, int64_t warp_tokens, bool merge_one_trip, bool steal) {
+                        int64_t copy_rows, bool read_ahead, int64_t warp_tokens, bool merge_one_trip,
+                        int64_t ahead_tiles) {
   const auto device = q.device();
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_table, "block_table"},
                          {&seq_lens, "seq_lens"}, {&partial_out, "partial_out"}, {&partial_lse, "partial_lse"},
@@ -111,7 +112,7 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   p.read_ahead = read_ahead;
   p.warp_tokens = static_cast<int>(warp_tokens);
   p.merge_one_trip = merge_one_trip;
-  p.steal = steal;
+  p.ahead_tiles = static_cast<int>(ahead_tiles);
   const cudaError_t err = launch_flash_decode(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_decode launch failed: ", cudaGetErrorString(err));
   return out;
@@ -317,7 +318,7 @@ TORCH_LIBRARY(flashdecode, m) {
       "flash_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
       "int num_splits, Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) merge_counters, "
       "int merge_mode=7, int min_chunk=256, bool spread=False, int ring_stages=0, int copy_rows=0, "
-      "bool read_ahead=True, int warp_tokens=0, bool merge_one_trip=True, bool steal=True) -> Tensor");
+      "bool read_ahead=True, int warp_tokens=0, bool merge_one_trip=True, int ahead_tiles=0) -> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");

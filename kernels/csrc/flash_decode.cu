@@ -281,10 +281,6 @@ __device__ __forceinline__ float quad_sum(float x) {
 struct Work {
   int b, kv_head, q_head0, rows;
   int len, start, end;
-  // Where the splits share tiles: [start, end) is this split's own range, and tiles [pool, tiles)
-  // of the sequence go one at a time to whichever split asks first (produce_pool).
-  bool steal;
-  int pool, tiles;
 };
 
 template <int D>
@@ -298,16 +294,6 @@ __device__ __forceinline__ Work block_work(const DecodeParams& p) {
   w.q_head0 = w.kv_head * group + (blockIdx.y % head_tiles) * kRows;
   w.rows = min(kRows, (w.kv_head + 1) * group - w.q_head0);
   w.len = min(p.seq_lens[w.b], p.max_blocks * p.block_size);
-  w.tiles = (max(w.len, 0) + kTile - 1) / kTile;
-  w.steal = p.steal && w.tiles >= kStealMinTiles * (int)gridDim.x;
-  if (w.steal) {  // three quarters of the tiles in fixed ranges, the rest shared
-    const int own = w.tiles * 3 / (4 * (int)gridDim.x);
-    w.start = blockIdx.x * own * kTile;
-    w.end = w.start + own * kTile;
-    w.pool = gridDim.x * own;
-    return w;
-  }
-  w.pool = w.tiles;
   int chunk = max((max(w.len, 0) + gridDim.x - 1) / gridDim.x, p.min_chunk);
   chunk = (chunk + kTile - 1) / kTile * kTile;
   const int64_t start = (int64_t)blockIdx.x * chunk;  // min_chunk may be up to 2^30
@@ -483,12 +469,6 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const DecodeParams
   } else {
     pdl_trigger_then_wait();  // the wait is a no-op unless launched as a PDL dependent
   }
-  if (p.steal && threadIdx.x == 0) {  // every split has finished: zero the pool's counter for the next call
-    const int group = p.num_q_heads / p.num_kv_heads, head_tiles = (group + kRows - 1) / kRows;
-    const int in_group = blockIdx.x % group;
-    if (in_group % kRows == 0)
-      p.merge_counters[((int64_t)blockIdx.y * p.num_kv_heads + blockIdx.x / group) * head_tiles + in_group / kRows] = 0;
-  }
   __shared__ __align__(16) float smem[kRows * kMaxSplits + kMergeThreads * 4];
   if (p.merge_one_trip && p.num_splits >= kOneTripMinSplits && p.num_splits <= one_trip_splits<D>())
     merge_row_one_trip<T, D>(p, blockIdx.y, blockIdx.x, reinterpret_cast<float4*>(smem));
@@ -540,88 +520,22 @@ struct RingSlot {
   }
 };
 
-// Asks for one tile of K and V, tokens [t0, t0 + kTile) of w's sequence, into ``stage``: one bulk
-// copy of copy_rows rows per lane and per K/V; ``block`` is the cache block of this lane's rows.
-template <typename T, int D>
-__device__ __forceinline__ void issue_tile(const DecodeParams& p, const Work& w, int t0, int block, int copy_rows,
-                                           int stage, T* stages, uint64_t* full) {
-  constexpr int kTile = tile_tokens(D);
-  const int lane = threadIdx.x % 32;
-  const int bs = p.block_size;
-  const int first_token = t0 + lane * copy_rows;
-  const int page = first_token / bs;
-  block = min(max(block, 0), p.num_blocks - 1);
-  const int rows = lane < kTile / copy_rows ? max(0, min(copy_rows, w.len - first_token)) : 0;
-  const uint32_t bytes = rows * D * (uint32_t)sizeof(T);
-  const uint32_t stage_bytes = 2 * __reduce_add_sync(0xffffffffu, bytes);
-  if (lane == 0) mbar_arrive_expect_tx(&full[stage], stage_bytes);
-  __syncwarp();
-  if (rows > 0) {
-    const int64_t src = block * ((int64_t)p.num_kv_heads * bs * D) + (int64_t)w.kv_head * bs * D +
-                        (int64_t)(first_token - page * bs) * D;
-    T* k_dst = stages + (int64_t)stage * 2 * kTile * D + lane * copy_rows * D;
-    bulk_load(k_dst, static_cast<const T*>(p.k_cache) + src, bytes, &full[stage]);
-    bulk_load(k_dst + kTile * D, static_cast<const T*>(p.v_cache) + src, bytes, &full[stage]);
-  }
-}
-
-// The pool of tiles [w.pool, w.tiles) that the splits of one (sequence, head group) share: each
-// taken by one atomic increment of the pair's counter, asked for two tiles ahead (grab0, grab1,
-// lane 0) so that the round trip overlaps the ring; a tile's block ids are loaded one tile ahead.
-// Past the last tile a stage with tile_start -1 and no bytes ends the consumers' loop. Returns the
-// cycles spent waiting for free stages. Runs after every tile of the split's own range, so every
-// stage has been used once and each must be freed first.
-template <typename T, int D>
-__device__ __forceinline__ long long produce_pool(const DecodeParams& p, const Work& w, int copy_rows, RingSlot& slot,
-                                                  T* stages, uint64_t* full, uint64_t* empty, int* tile_start,
-                                                  int grab0, int grab1) {
-  constexpr int kTile = tile_tokens(D);
-  const int lane = threadIdx.x % 32;
-  const int32_t* table = p.block_table + (int64_t)w.b * p.block_table_stride;
-  int32_t* counter = p.merge_counters + (int64_t)w.b * gridDim.y + blockIdx.y;
-  auto block_of = [&](int tile) {  // this lane's cache block in ``tile``
-    const int first_token = tile * kTile + lane * copy_rows;
-    return tile < w.tiles && first_token < w.len ? __ldg(table + first_token / p.block_size) : 0;
-  };
-  int tile = w.pool + __shfl_sync(0xffffffffu, grab0, 0);
-  int block = block_of(tile);
-  if (lane == 0) grab0 = atomicAdd(counter, 1);  // grab1 is now the older of the two in flight
-  long long waited = 0;
-  for (;; slot.advance()) {
-    const int stage = slot.stage;
-    const long long t = clock_now();
-    mbar_wait(&empty[stage], (slot.round - 1) & 1);
-    waited += clock_now() - t;
-    if (tile >= w.tiles) {
-      if (lane == 0) {
-        tile_start[stage] = -1;
-        mbar_arrive(&full[stage]);
-      }
-      return waited;
-    }
-    if (lane == 0) tile_start[stage] = tile * kTile;
-    issue_tile<T, D>(p, w, tile * kTile, block, copy_rows, stage, stages, full);
-    tile = w.pool + __shfl_sync(0xffffffffu, grab1, 0);
-    grab1 = grab0;
-    if (lane == 0) grab0 = atomicAdd(counter, 1);
-    block = block_of(tile);
-  }
-}
-
-// The producer warp: the tiles of [w.start, w.end) in order, then, where the splits share tiles,
-// pool tiles as long as any are left (produce_pool). With w.steal every stage's first token goes to
-// tile_start for the consumers.
 template <typename T, int D>
 __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
-                                        T* stages, uint64_t* full, uint64_t* empty, int* tile_start) {
+                                        T* stages, uint64_t* full, uint64_t* empty) {
   constexpr int kTile = tile_tokens(D);
   const int lane = threadIdx.x % 32;
   const int bs = p.block_size;
   // A tile is fetched in kTile / copy_rows bulk copies per K and V, one per lane; copy_rows
   // divides both the page and the tile, so no copy crosses a page.
   const int copy_rows = n_tiles >= kCopyRowsMinTiles ? p.copy_rows : min(bs, kTile);
+  const int copies = kTile / copy_rows;
   const int pages = (w.len + bs - 1) / bs;
   const int32_t* table = p.block_table + (int64_t)w.b * p.block_table_stride;
+  const int64_t block_elems = (int64_t)p.num_kv_heads * bs * D;
+  const int64_t head_elems = (int64_t)w.kv_head * bs * D;
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
 
   // Block ids of pages [base, base + 64), one per lane in cur and next; 0 past the last page. A
   // tile's pages never straddle base + 32 (a tile is a whole number of pages, or part of one, and
@@ -631,18 +545,13 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   int cur = fetch(base + lane), next = fetch(base + 32 + lane);
   if (lane == 0) stamp(kTable, cur);
 
-  // With read_ahead, the first ring fill is asked for before the predecessor has finished: every
-  // tile but one holding row len - 1, which the predecessor may still be writing.
-  const int ahead = p.read_ahead ? min(slot.stages, n_tiles - (w.end == w.len ? 1 : 0)) : 0;
-  int32_t* counter = p.merge_counters + (int64_t)w.b * gridDim.y + blockIdx.y;
-  int grab0 = 0, grab1 = 0;  // lane 0: the first two pool tiles asked for (relative to w.pool)
-  auto wait_then_grab = [&] {  // the counter is the predecessor's (the merge kernel zeroes it)
-    pdl_wait();
-    if (w.steal && lane == 0) grab0 = atomicAdd(counter, 1), grab1 = atomicAdd(counter, 1);
-  };
+  // With read_ahead, the first tiles are asked for before the predecessor has finished: every one
+  // but a tile holding row len - 1, which the predecessor may still be writing.
+  const int fill = min(p.ahead_tiles > 0 ? p.ahead_tiles : kReadAheadTiles, slot.stages);
+  const int ahead = p.read_ahead ? min(fill, n_tiles - (w.end == w.len ? 1 : 0)) : 0;
   long long waited = 0;
   for (int i = 0; i < n_tiles; ++i, slot.advance()) {
-    if (i == ahead) wait_then_grab();
+    if (i == ahead) pdl_wait();
     const int stage = slot.stage;
     if (i >= slot.stages) {
       const long long t = clock_now();
@@ -656,12 +565,22 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
       cur = next;
       next = fetch(base + 32 + lane);
     }
-    if (w.steal && lane == 0) tile_start[stage] = t0;
-    const int page = (t0 + lane * copy_rows) / bs;
-    issue_tile<T, D>(p, w, t0, __shfl_sync(0xffffffffu, cur, (page - base) & 31), copy_rows, stage, stages, full);
+    const int first_token = t0 + lane * copy_rows;
+    const int page = first_token / bs;
+    const int block = min(max(__shfl_sync(0xffffffffu, cur, (page - base) & 31), 0), p.num_blocks - 1);
+    const int rows = lane < copies ? max(0, min(copy_rows, w.len - first_token)) : 0;
+    const uint32_t bytes = rows * D * (uint32_t)sizeof(T);
+    const uint32_t stage_bytes = 2 * __reduce_add_sync(0xffffffffu, bytes);
+    if (lane == 0) mbar_arrive_expect_tx(&full[stage], stage_bytes);
+    __syncwarp();
+    if (rows > 0) {
+      const int64_t src = block * block_elems + head_elems + (int64_t)(first_token - page * bs) * D;
+      T* k_dst = stages + (int64_t)stage * 2 * kTile * D + lane * copy_rows * D;
+      bulk_load(k_dst, k_cache + src, bytes, &full[stage]);
+      bulk_load(k_dst + kTile * D, v_cache + src, bytes, &full[stage]);
+    }
   }
-  if (ahead >= n_tiles) wait_then_grab();  // all read ahead; the epilogue writes
-  if (w.steal) waited += produce_pool<T, D>(p, w, copy_rows, slot, stages, full, empty, tile_start, grab0, grab1);
+  if (ahead >= n_tiles) pdl_wait();  // all read ahead; the epilogue writes
   if (trigger_point(p) == kAtLoads) pdl_trigger();
   if (lane == 0) record(kProducerWaits, waited);
 }
@@ -695,7 +614,7 @@ __device__ __forceinline__ float softmax_step(float& m, float& l, float (&x)[N])
 // block serves at most eight query heads: rows r + 8 are padding and get no softmax work.
 template <typename T, int D, int W, bool kHi>
 __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
-                                        const T* stages, const int* tile_start,
+                                        const T* stages,
                                         uint64_t* full, uint64_t* empty, float (&o)[D / 32][4][4], float& m_lo,
                                         float& m_hi, float& l_lo, float& l_hi) {
   using S = Shape<D, W>;
@@ -715,22 +634,17 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
   }
   const float scale_log2 = p.scale * kLog2e;
 
-  // With w.steal the tiles come in no fixed order (tile_start says which, -1 after the last) and
-  // only the sequence's end masks.
-  const int end = w.steal ? w.len : w.end;
   long long waited = 0;
-  for (int i = 0; w.steal || i < n_tiles; ++i, slot.advance()) {
+  for (int i = 0; i < n_tiles; ++i, slot.advance()) {
     const int stage = slot.stage;
+    const int t_warp = w.start + i * kTile + warp * W;
     const long long t = clock_now();
     mbar_wait(&full[stage], slot.round & 1);
     if (i > 0) waited += clock_now() - t;
-    const int t0 = w.steal ? tile_start[stage] : w.start + i * kTile;
-    if (t0 < 0) break;
-    const int t_warp = t0 + warp * W;
     if (i == 0 && warp == 0 && lane == 0) stamp(kFirstTile);
     const T* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * W * D;
     const T* v_tile = k_tile + kTile * D;
-    if (t_warp >= end || kCopyOnly) {
+    if (t_warp >= w.end || kCopyOnly) {
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[stage]);
       continue;
@@ -759,13 +673,13 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
     for (int h = 0; h < kPieces; ++h)
 #pragma unroll
       for (int c = 0; c < 4; ++c) s[h][c] *= scale_log2;
-    if (t_warp + W > end) {  // the sequence ends inside this warp's tokens
+    if (t_warp + W > w.end) {  // the sequence ends inside this warp's tokens
 #pragma unroll
       for (int h = 0; h < kPieces; ++h) {
 #pragma unroll
         for (int c = 0; c < 4; ++c)
-          if (t_warp + 8 * h + 2 * qd + (c & 1) >= end) s[h][c] = kNegInf;
-        if (t_warp + 8 * h + r >= end)  // rows past the end may hold anything, NaN included
+          if (t_warp + 8 * h + 2 * qd + (c & 1) >= w.end) s[h][c] = kNegInf;
+        if (t_warp + 8 * h + r >= w.end)  // rows past the end may hold anything, NaN included
 #pragma unroll
           for (int j = 0; j < S::kGroups; ++j) v[h][j] = zero;
       }
@@ -838,7 +752,6 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
   constexpr int kTile = S::kTile, kConsumerWarps = S::kConsumerWarps, kThreads = S::kThreads;
   __shared__ float warp_max[kConsumerWarps][kRows], warp_sum[kConsumerWarps][kRows];
   __shared__ float row_lse[kRows];
-  __shared__ int tile_start[kMaxStages];  // with w.steal: each stage's first token (produce)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, qd = lane % 4;
   const bool consumer = warp != S::kProducerWarp;
@@ -857,11 +770,11 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
   if (consumer) {
     wait_for_predecessor();  // q is the predecessor's output
     if constexpr (W == 32)  // the launcher gives 32-token warps groups of at most eight heads
-      consume<T, D, W, false>(p, w, n_tiles, ring, stages, tile_start, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+      consume<T, D, W, false>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
     else if (w.rows > 8)
-      consume<T, D, W, true>(p, w, n_tiles, ring, stages, tile_start, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+      consume<T, D, W, true>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
     else
-      consume<T, D, W, false>(p, w, n_tiles, ring, stages, tile_start, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+      consume<T, D, W, false>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
     if (qd == 0) {
       warp_max[warp][r] = m_lo;
       warp_max[warp][r + 8] = m_hi;
@@ -869,7 +782,7 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
       warp_sum[warp][r + 8] = l_hi;
     }
   } else {
-    produce<T, D>(p, w, n_tiles, ring, stages, full, empty, tile_start);
+    produce<T, D>(p, w, n_tiles, ring, stages, full, empty);
   }
   __syncthreads();  // every consumer's state is in and every stage is drained
   if (threadIdx.x == 0) stamp(kSynced);
@@ -1170,10 +1083,6 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
     p.merge_mode = p.merge_mode == kMergeCluster      ? kMergeKernelPdl
                    : p.merge_mode == kMergeClusterPdl ? kMergePdlLate
                                                       : kMergePdlChain;
-  // Lone blocks that merge by kernel: the splits of a long sequence share their last tiles (they
-  // finished up to 3 us apart with the same number of tiles: NOTES.md); the merge kernel zeroes
-  // the counters.
-  p.steal = p.steal && spread && !cluster && p.num_splits > 1 && p.merge_mode != kMergeLastBlock;
   int smem = past + (cluster ? recv_bytes : 0);
   if (spread || (cluster && p.spread)) smem = max(smem, S::kSpreadSmemBytes);  // clusters too share SMs unless spread
   // Made resident early (PDL) while its predecessor still held SMs, a grid of 1-2 blocks per SM

@@ -36,8 +36,7 @@ struct DecodeParams {
   void* out;                      // [B, Hq, D] contiguous
   float* partial_out;             // [>= B * num_splits, Hq, D]
   float* partial_lse;             // [>= B * num_splits, Hq]
-  int32_t* merge_counters;        // [>= B * Hkv * ceil(G / 16)], all zero between calls (the last-block
-                                  // merge's arrivals, or the shared tiles taken)
+  int32_t* merge_counters;        // [>= B * Hkv * ceil(G / 16)], all zero between calls
   int batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_blocks, num_splits;
   int min_chunk;                  // fewest tokens a non-empty split gets (then rounded up to a tile)
   float scale;
@@ -58,8 +57,9 @@ struct DecodeParams {
                                   // tokens); 0: the launcher's choice, 32 where allowed
   bool merge_one_trip;            // the merge kernel's row in one round trip to memory where that pays
                                   // (16-64 splits at head_dim 64, 16-32 at 128); false: two always
-  bool steal;                     // the launcher may let the splits of a spread grid that merges by kernel
-                                  // share the last quarter of their tiles (kStealMinTiles); false: never
+  int ahead_tiles;                // with read_ahead: K/V tiles asked for before the predecessor has finished,
+                                  // at most the ring's depth; 0: the launcher's choice (kReadAheadTiles). A
+                                  // ring deeper than that has a stage to refill the moment it finishes
   bool read_ahead;                // seq_lens, block_table and the cache's rows before seq_len - 1 are
                                   // read before the kernels ahead in the stream have finished: none
                                   // that may still run may write them (q and row seq_len - 1 they
@@ -85,8 +85,9 @@ constexpr int kMergeModes = 10;
 constexpr int tile_tokens(int head_dim) { return 8192 / head_dim; }
 // Blocks of fewer tiles than this copy whole pages whatever copy_rows says (measured: NOTES.md).
 constexpr int kCopyRowsMinTiles = 8;
-// Where the splits share tiles (DecodeParams::steal), the fewest tiles per split of a sequence.
-constexpr int kStealMinTiles = 16;
+// Tiles a split block reads ahead by default: one stage of the ring of three left free, so that
+// the producer asks for a tile the moment the predecessor finishes (measured: NOTES.md).
+constexpr int kReadAheadTiles = 2;
 // Deepest ring of K/V stages a block may ask for (deeper than 3 only where it is alone on its SM).
 constexpr int kMaxRingStages = 6;
 // Largest split count a launch accepts (bounds the merge's shared memory).

@@ -1,12 +1,14 @@
 from dataclasses import dataclass
 
+from kernels.paging import DEFAULT_BLOCK_SIZE
+
 
 DEFAULT_PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096)
 
 
 @dataclass
 class EngineConfig:
-    block_size: int = 32
+    block_size: int = DEFAULT_BLOCK_SIZE     # tokens per KV block
     num_blocks: int | None = None            # KV pool size; None sizes it from memory
     cpu_kv_cache_tokens: int = 32768         # pool size on the CPU when num_blocks is None
     gpu_memory_fraction: float = 0.8         # share of GPU memory for weights + KV pool + graphs

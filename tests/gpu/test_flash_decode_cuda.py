@@ -256,6 +256,37 @@ def test_ring_depths(shape, num_splits, merge_mode, spread, fresh_seed):
         assert torch.equal(out, outs[0]), f"ring {ring} differs from the launcher's choice"
 
 
+@pytest.mark.parametrize("ring_stages,spread", [(0, False), (0, True), (5, True)])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])
+def test_read_ahead_depths(shape, ring_stages, spread, fresh_seed):
+    """How many tiles a block asks for before its predecessor finishes (1 up to past the ring's
+    depth, which the ring caps) changes when they arrive, never the bits; eager and under graph
+    replay."""
+    num_q, num_kv, dim = shape
+    lengths = [1, 130, 2049, 9000]
+    k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, dim, 32, torch.bfloat16)
+    ws = kernels.Workspace(len(lengths), num_q, dim, table.shape[1] * 32, DEVICE, num_kv_heads=num_kv)
+    q = torch.randn(len(lengths), num_q, dim, device=DEVICE, dtype=torch.bfloat16)
+    ref = oracle(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
+    plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
+    outs = []
+    for ahead in range(ops.MAX_RING_STAGES + 1):
+        poison(ws, q.shape, q.dtype)
+        outs.append(ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, spread=spread,
+                                          ring_stages=ring_stages, ahead_tiles=ahead))
+        assert torch.isfinite(outs[-1]).all()
+        assert (outs[-1].double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
+    for ahead, out in enumerate(outs[1:], start=1):
+        assert torch.equal(out, outs[0]), f"ahead_tiles={ahead} differs from the launcher's choice"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, spread=spread,
+                                           ring_stages=ring_stages, ahead_tiles=1)
+    static_out.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(static_out, outs[0])
+
+
 @pytest.mark.parametrize("ring_stages", [0, 1])
 @pytest.mark.parametrize("num_splits,merge_mode,spread", [
     (1, None, False)] + [(n, mode, spread) for n in (3, 16) for mode, spread in [
@@ -302,47 +333,6 @@ def test_three_blocks_per_sm(shape, fresh_seed):
     static_out.fill_(float("nan"))
     graph.replay()
     assert torch.equal(static_out, eager)
-
-
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])
-def test_splits_share_their_last_tiles(shape, block_size, fresh_seed):
-    """A spread grid that merges by kernel: the splits of a sequence of at least 16 tiles per split
-    stream three quarters in fixed ranges and take the rest one tile at a time from a counter in
-    the workspace, which the merge kernel zeroes. Sequences below that (and lengths ending inside a
-    tile) keep fixed ranges in the same grid. Several calls in a row and graph replays, each
-    against the float64 oracle; the counters are zero after every call. Which split takes which
-    tile varies between calls, so replay is checked for accuracy, not bit for bit."""
-    num_q, num_kv, dim = shape
-    splits, tile = 5, ops.tile_tokens(dim)
-    lengths = [16 * splits * tile + 1, 16 * splits * tile - 1, 40000, 3 * tile + 5, 1]
-    k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, dim, block_size, torch.bfloat16)
-    ws = kernels.Workspace(len(lengths), num_q, dim, table.shape[1] * block_size, DEVICE, num_kv_heads=num_kv)
-    q = torch.randn(len(lengths), num_q, dim, device=DEVICE, dtype=torch.bfloat16)
-
-    def call(steal=True):
-        return ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, num_splits=splits,
-                                     steal=steal)
-
-    def check(out):
-        ref = oracle(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
-        plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
-        assert torch.isfinite(out).all()
-        assert (out.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
-        assert not ws.merge_counters.any(), "a pool counter was left non-zero"
-
-    for steal in (True, False, True, True):
-        poison(ws, q.shape, q.dtype)
-        check(call(steal))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = call()
-    for _ in range(3):
-        q.copy_(torch.randn_like(q))
-        poison(ws, q.shape, q.dtype)
-        static_out.fill_(float("nan"))
-        graph.replay()
-        check(static_out)
 
 
 # Every copy size the op accepts: a multiple of 8 dividing both the page and the tile.
@@ -540,6 +530,9 @@ def test_rejects_unsupported_inputs():
     for ring in (-1, ops.MAX_RING_STAGES + 1):
         with pytest.raises(ValueError, match="ring_stages"):
             ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, ring_stages=ring)
+    for ahead in (-1, ops.MAX_RING_STAGES + 1):
+        with pytest.raises(ValueError, match="ahead_tiles"):
+            ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, ahead_tiles=ahead)
     for tokens in (8, 24, 64):
         with pytest.raises(ValueError, match="warp_tokens"):
             ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, warp_tokens=tokens)
