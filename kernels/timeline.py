@@ -81,7 +81,7 @@ def spread_over_blocks(blocks, splits):
     def at(s, stage):
         return s[ENTRY_NS] + (s[stage] - s[ENTRY]) / ghz
 
-    zero = min(at(s, 1) for _, s in ran)
+    zero = min(at(s, 1) for _, s in ran if s[1])
     rows = {}
     for index in [None] + list(range(splits)):
         for i, name in enumerate(STAGES, start=1):
@@ -113,6 +113,8 @@ def main(argv=None):
     parser.add_argument("--blocks", action="store_true",
                         help="with --warm: also print when each stage happened across the blocks, per split index")
     args = parser.parse_args(argv)
+    if args.blocks and not args.warm:
+        parser.error("--blocks reads the last call of a replayed graph: add --warm")
     device = torch.device("cuda")
     build.load_extension(timeline=True, copy_only=args.copy_only)
     ops.load(device)

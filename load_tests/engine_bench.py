@@ -169,7 +169,8 @@ def main(argv=None):
 
     result = {"model": args.model, "device": str(device), "dtype": str(loaded.dtype),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-              "kv_pool_tokens": engine.runner.kv_tokens, "graph_buckets": sorted(engine.runner.graphs),
+              "kv_pool_tokens": engine.runner.kv_tokens, "block_size": engine.runner.block_size,
+              "graph_buckets": sorted(engine.runner.graphs),
               "capture_s": engine.runner.capture_seconds, "merge_mode": args.merge_mode, "ours": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -53,9 +53,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     loaded = load_model(args.model, device="cuda")
-    sizing = {} if args.block_size is None else {"block_size": args.block_size}
-    core = EngineCore(loaded, EngineConfig(max_batch=max(args.batch), num_blocks=8192, compile=args.compile,
-                                           max_model_len=4096, **sizing),
+    block_size = args.block_size or EngineConfig.block_size
+    core = EngineCore(loaded, EngineConfig(max_batch=max(args.batch), num_blocks=(1 << 18) // block_size,
+                                           compile=args.compile, max_model_len=4096, block_size=block_size),
                       publish=lambda pairs, stats: None)
     prompt = list(range(1000, 1000 + args.prompt_len))
     counter = iter(range(10**9))

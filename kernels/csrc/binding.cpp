@@ -71,6 +71,8 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(min_chunk >= 1 && min_chunk <= (1 << 30), "min_chunk must be positive");
   TORCH_CHECK(ring_stages >= 0 && ring_stages <= kMaxRingStages, "ring_stages must be in 0..", kMaxRingStages,
               " (0: the launcher's choice)");
+  TORCH_CHECK(ahead_tiles >= 0 && ahead_tiles <= kMaxRingStages, "ahead_tiles must be in 0..", kMaxRingStages,
+              " (0: the launcher's choice), got ", ahead_tiles);
   const int64_t tile = tile_tokens(static_cast<int>(d)), copy_span = bs < tile ? bs : tile;
   TORCH_CHECK(copy_rows == 0 || (copy_rows > 0 && copy_rows % 8 == 0 && copy_span % copy_rows == 0),
               "copy_rows must be 0 (the launcher's choice) or a multiple of 8 dividing ", copy_span, ", got ", copy_rows);

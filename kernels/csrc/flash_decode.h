@@ -57,9 +57,10 @@ struct DecodeParams {
                                   // tokens); 0: the launcher's choice, 32 where allowed
   bool merge_one_trip;            // the merge kernel's row in one round trip to memory where that pays
                                   // (16-64 splits at head_dim 64, 16-32 at 128); false: two always
-  int ahead_tiles;                // with read_ahead: K/V tiles asked for before the predecessor has finished,
-                                  // at most the ring's depth; 0: the launcher's choice (kReadAheadTiles). A
-                                  // ring deeper than that has a stage to refill the moment it finishes
+  int ahead_tiles;                // with read_ahead (else unused): K/V tiles asked for before the
+                                  // predecessor has finished, at most the ring's depth; 0: the launcher's
+                                  // choice (kReadAheadTiles). A ring deeper than that has a stage to
+                                  // refill the moment it finishes
   bool read_ahead;                // seq_lens, block_table and the cache's rows before seq_len - 1 are
                                   // read before the kernels ahead in the stream have finished: none
                                   // that may still run may write them (q and row seq_len - 1 they
@@ -85,8 +86,9 @@ constexpr int kMergeModes = 10;
 constexpr int tile_tokens(int head_dim) { return 8192 / head_dim; }
 // Blocks of fewer tiles than this copy whole pages whatever copy_rows says (measured: NOTES.md).
 constexpr int kCopyRowsMinTiles = 8;
-// Tiles a split block reads ahead by default: one stage of the ring of three left free, so that
-// the producer asks for a tile the moment the predecessor finishes (measured: NOTES.md).
+// Tiles a split block reads ahead by default (capped by its ring): the default ring of three keeps
+// a stage free, so that the producer asks for a tile the moment the predecessor finishes
+// (measured: NOTES.md).
 constexpr int kReadAheadTiles = 2;
 // Deepest ring of K/V stages a block may ask for (deeper than 3 only where it is alone on its SM).
 constexpr int kMaxRingStages = 6;

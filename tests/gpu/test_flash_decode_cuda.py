@@ -256,12 +256,14 @@ def test_ring_depths(shape, num_splits, merge_mode, spread, fresh_seed):
         assert torch.equal(out, outs[0]), f"ring {ring} differs from the launcher's choice"
 
 
-@pytest.mark.parametrize("ring_stages,spread", [(0, False), (0, True), (5, True)])
+@pytest.mark.parametrize("plan", [{}, {"num_splits": 3, "merge_mode": ops.MERGE_PDL_CHAIN},
+                                  {"num_splits": 3, "merge_mode": ops.MERGE_PDL_CHAIN, "spread": True,
+                                   "ring_stages": 5}], ids=["auto", "kernel merge", "spread, ring of 5"])
 @pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])
-def test_read_ahead_depths(shape, ring_stages, spread, fresh_seed):
+def test_read_ahead_depths(shape, plan, fresh_seed):
     """How many tiles a block asks for before its predecessor finishes (1 up to past the ring's
     depth, which the ring caps) changes when they arrive, never the bits; eager and under graph
-    replay."""
+    replay. (Whether it waits for what its predecessor writes: test_read_ahead_waits_for_the_new_row_and_q.)"""
     num_q, num_kv, dim = shape
     lengths = [1, 130, 2049, 9000]
     k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, dim, 32, torch.bfloat16)
@@ -272,16 +274,16 @@ def test_read_ahead_depths(shape, ring_stages, spread, fresh_seed):
     outs = []
     for ahead in range(ops.MAX_RING_STAGES + 1):
         poison(ws, q.shape, q.dtype)
-        outs.append(ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, spread=spread,
-                                          ring_stages=ring_stages, ahead_tiles=ahead))
+        outs.append(ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, ahead_tiles=ahead,
+                                          **plan))
         assert torch.isfinite(outs[-1]).all()
         assert (outs[-1].double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
     for ahead, out in enumerate(outs[1:], start=1):
         assert torch.equal(out, outs[0]), f"ahead_tiles={ahead} differs from the launcher's choice"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, spread=spread,
-                                           ring_stages=ring_stages, ahead_tiles=1)
+        static_out = ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, ahead_tiles=1,
+                                           **plan)
     static_out.fill_(float("nan"))
     graph.replay()
     assert torch.equal(static_out, outs[0])
@@ -408,18 +410,26 @@ def test_graph_replay_equals_eager(merge_mode):
 
 
 # Launch plans the read-ahead runs under: the launcher's choice (a spread grid merging by kernel at
-# B=4), one split triggering once its loads are issued, and two-split clusters doing the same.
+# B=4), one split triggering once its loads are issued, two-split clusters doing the same, and a
+# spread grid with a ring of five stages merging by kernel.
 READ_AHEAD_PLANS = {"auto": {}, "one split": {"num_splits": 1, "merge_mode": ops.MERGE_PDL_LOADS},
-                    "cluster": {"num_splits": 2, "merge_mode": ops.MERGE_CLUSTER_PDL_LOADS}}
+                    "cluster": {"num_splits": 2, "merge_mode": ops.MERGE_CLUSTER_PDL_LOADS},
+                    "deep ring": {"num_splits": 3, "merge_mode": ops.MERGE_PDL_CHAIN, "spread": True,
+                                  "ring_stages": 5}}
 # At head_dim 64 the plans run again with eight consumer warps of 16 tokens (the default is four of 32).
 READ_AHEAD_CASES = [(shape, plan, warp_tokens) for shape in [(9, 3, 64), (32, 8, 128)] for plan in READ_AHEAD_PLANS
                     for warp_tokens in ([0, 16] if shape[2] == 64 else [0])]
+# Tiles read ahead: none (read_ahead=False), the launcher's choice, one, and up to the whole ring;
+# blocks of 128 tokens too (a page to a tile at head_dim 64), under graph replay, where the overlap is.
+READ_AHEAD_DEPTHS = ([(bs, graph, ahead) for bs in [DEFAULT_BLOCK_SIZE] for graph in [False, True]
+                      for ahead in [None, 0, 1, ops.MAX_RING_STAGES]]
+                     + [(128, True, ahead) for ahead in [0, ops.MAX_RING_STAGES]])
 
 
-@pytest.mark.parametrize("graph", [False, True])
-@pytest.mark.parametrize("read_ahead", [True, False])
+@pytest.mark.parametrize("block_size,graph,ahead_tiles", READ_AHEAD_DEPTHS)
 @pytest.mark.parametrize("shape,plan,warp_tokens", READ_AHEAD_CASES)
-def test_read_ahead_waits_for_the_new_row_and_q(shape, plan, warp_tokens, read_ahead, graph, fresh_seed):
+def test_read_ahead_waits_for_the_new_row_and_q(shape, plan, warp_tokens, block_size, graph, ahead_tiles,
+                                                fresh_seed):
     """A decode step's chain, as the engine runs it: projections, then the rotary embedding that
     rotates q in place and writes row len - 1 of the cache, then flash_decode twice. Each is a PDL
     kernel that lets its successor in at once, so under graph replay flash_decode reads ahead while
@@ -428,8 +438,9 @@ def test_read_ahead_waits_for_the_new_row_and_q(shape, plan, warp_tokens, read_a
     out of the merge (its softmax total is not > 0), so the check is the accuracy, not NaN. Eager,
     the host's launch gaps keep the kernels apart: the same arithmetic, without the overlap."""
     num_q, num_kv, dim = shape
-    bs, batch, hidden = DEFAULT_BLOCK_SIZE, 4, 2048
-    lengths = [37, 129, 300, 2500]        # one tile, two, three (a ring fill at D=64), several splits
+    bs, batch, hidden = block_size, 4, 2048
+    read_ahead = ahead_tiles is not None
+    lengths = [37, 129, 300, 2500]        # one tile, two, three at D=64 (the default ring), several splits
     k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, dim, bs, torch.bfloat16)
     ws = kernels.Workspace(batch, num_q, dim, table.shape[1] * bs, DEVICE, num_kv_heads=num_kv)
     positions = seq_lens - 1
@@ -452,7 +463,8 @@ def test_read_ahead_waits_for_the_new_row_and_q(shape, plan, warp_tokens, read_a
         layer_ops.rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slots, num_q)
         q = qkv[:, :num_q * dim].unflatten(1, (num_q, dim))
         outs = [ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws, read_ahead=read_ahead,
-                                      warp_tokens=warp_tokens, **READ_AHEAD_PLANS[plan]) for _ in range(2)]
+                                      ahead_tiles=ahead_tiles or 0, warp_tokens=warp_tokens,
+                                      **READ_AHEAD_PLANS[plan]) for _ in range(2)]
         return q, outs
 
     def new_round():
