@@ -9,8 +9,10 @@ table plus the geometric means the targets name. ``--sweep`` also times other sp
 the merge modes and other block sizes (tuning data, in the JSON and a short table); ``--modes``
 times ours in other merge modes beside the default for every case (``--spread-modes`` the same
 with one block per SM where the grid fits; ``--ring-stages`` other ring depths; ``--cluster-sweep``
-the cluster merge at 2-16 splits); ``--max-kv-mb`` leaves out the larger cases. It also times the launch floor: one and
-two trivial kernels per call, replayed the same way.
+the cluster merge at 2-16 splits; ``--variant`` any other launch arguments of ours, or the block
+size and table order); ``--repeat`` times each of them several times, interleaved; ``--only``
+and ``--max-kv-mb`` leave out cases. It also times the launch floor: one and two trivial
+kernels per call, replayed the same way.
 """
 
 import argparse
@@ -252,17 +254,11 @@ def main(argv=None):
                         help="ring depths (K/V tiles in flight per block) to time beside the launcher's choice")
     parser.add_argument("--cluster-sweep", action="store_true",
                         help="also time the cluster merge (mode 6, spread) at 2, 4, 8 and 16 splits")
-    parser.add_argument("--block-sizes", type=int, nargs="*", default=[],
-                        help="cache block sizes to time beside --block-size")
-    parser.add_argument("--copy-rows", type=int, nargs="*", default=[],
-                        help="cache rows per bulk copy to time beside the launcher's choice")
-    parser.add_argument("--no-read-ahead", action="store_true",
-                        help="also time the kernel reading nothing before its predecessor has finished")
     parser.add_argument("--variant", nargs="*", default=[], metavar="ARG=N[,ARG=N]",
-                        help="launch arguments of ours together, e.g. warp_tokens=32,copy_rows=32 (integers)")
+                        help="arguments of Case.ours to time beside the default, each variant its arguments "
+                             "together (integers): e.g. block_size=128, copy_rows=16, read_ahead=0, shuffle=0 "
+                             "(a block table of consecutive blocks), warp_tokens=16,ring_stages=2")
     parser.add_argument("--repeat", type=int, default=1, help="time every case this many times (noise)")
-    parser.add_argument("--sequential-pages", action="store_true",
-                        help="also time a block table of consecutive blocks (the default is shuffled)")
     parser.add_argument("--max-kv-mb", type=float, default=MAX_KV_BYTES / 1e6, help="skip cases with more KV")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -278,15 +274,9 @@ def main(argv=None):
     variants += [(f"ours_mode{m}_spread_us", f"mode {m} spread", {"merge_mode": m, "spread": True})
                  for m in args.spread_modes]
     variants += [(f"ours_ring{n}_us", f"ring {n}", {"ring_stages": n}) for n in args.ring_stages]
-    variants += [(f"ours_bs{n}_us", f"block size {n}", {"block_size": n}) for n in args.block_sizes]
-    variants += [(f"ours_copy{n}_us", f"copy rows {n}", {"copy_rows": n}) for n in args.copy_rows]
-    if args.no_read_ahead:
-        variants.append(("ours_no_read_ahead_us", "no read-ahead", {"read_ahead": False}))
     for spec in args.variant:
         kwargs = {k: int(v) for k, v in (item.split("=") for item in spec.split(","))}
         variants.append((f"ours_{spec.replace('=', '').replace(',', '_')}_us", spec, kwargs))
-    if args.sequential_pages:
-        variants.append(("ours_sequential_us", "sequential pages", {"shuffle": False}))
     meta.update(launch_floor_us(device))
     print(f"launch floor: one trivial kernel {meta['one_kernel_us']:.2f} us per call, "
           f"two {meta['two_kernels_us']:.2f} us", flush=True)

@@ -106,7 +106,7 @@ def main(argv=None):
     ap.add_argument("--hf-max-batch", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--block-size", type=int, default=None, help="KV cache block size (default: the engine's)")
+    ap.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="KV cache block size")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--prefill-graph-buckets", type=int, nargs="*", default=None,
@@ -134,8 +134,7 @@ def main(argv=None):
                           gpu_memory_fraction=0.45 if args.hf else 0.8,
                           compile=args.compile, cuda_graphs=not args.no_graphs,
                           prefill_graph_buckets=None if args.prefill_graph_buckets is None
-                          else tuple(args.prefill_graph_buckets),
-                          **({} if args.block_size is None else {"block_size": args.block_size}))
+                          else tuple(args.prefill_graph_buckets), block_size=args.block_size)
     engine = EngineCore(loaded, config, publish=lambda pairs, stats: None)
     hf_model = None
     if args.hf:
