@@ -11,7 +11,7 @@ must write nothing. Entries of ``block_table`` past a sequence's last block are 
 import torch
 
 # Tokens per cache block unless the engine says otherwise (chosen by measurement: kernels/NOTES.md).
-DEFAULT_BLOCK_SIZE = 32
+DEFAULT_BLOCK_SIZE = 128
 SUPPORTED_BLOCK_SIZE_RULE = "the CUDA kernel needs 16, 32, 64 or a multiple of 128"
 
 

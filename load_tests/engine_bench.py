@@ -7,6 +7,8 @@ the whole batch (prefill included), as vLLM's offline throughput benchmark does.
     python -m load_tests.engine_bench --device cpu --model default --batch 1 --prompt-len 128 --new-tokens 64
     python -m load_tests.engine_bench --device cuda --model random:smollm2-135m --batch 1 16 64 256 \
         --long-batch 1 8 --hf default static --out results/engine.json
+    python -m load_tests.engine_bench --device cuda --model random:smollm2-135m --batch 1 256 --hf \
+        --block-size 128 32 --repeats 6      # two engines, one per block size, taking turns
 """
 
 import argparse
@@ -72,7 +74,7 @@ def run_hf(model, prompts, new_tokens: int, mode: str) -> float:
 
 
 def interleaved(runners: dict, repeats: int) -> dict:
-    """Median seconds of each runner, taking turns so drifting machine load hits all alike. Each
+    """Seconds of each run of each runner, taking turns so drifting machine load hits all alike. Each
     run starts from a collected, frozen heap, so the objects an earlier run left behind (a
     compile's, say) do not slow its garbage collections; the heap is unfrozen after it."""
     samples = {name: [] for name in runners}
@@ -85,7 +87,7 @@ def interleaved(runners: dict, repeats: int) -> dict:
                 torch.cuda.empty_cache()
             finally:
                 gc.unfreeze()
-    return {name: statistics.median(v) for name, v in samples.items() if v}
+    return {name: v for name, v in samples.items() if v}
 
 
 def main(argv=None):
@@ -106,7 +108,9 @@ def main(argv=None):
     ap.add_argument("--hf-max-batch", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="KV cache block size")
+    ap.add_argument("--block-size", type=int, nargs="+", default=[EngineConfig.block_size],
+                    help="KV cache block size; several: one engine each, interleaved in every case (ours_bsN "
+                         "columns for all but the first), with pools of equal tokens")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--prefill-graph-buckets", type=int, nargs="*", default=None,
@@ -129,13 +133,24 @@ def main(argv=None):
     cases = [(b, args.prompt_len, args.new_tokens, args.hf) for b in args.batch]
     cases += [(b, args.long_prompt_len, args.long_new_tokens, long_modes) for b in args.long_batch]
     longest = max(p + n for _, p, n, _ in cases)
-    config = EngineConfig(max_batch=max(b for b, _, _, _ in cases), max_model_len=max(longest, 1024),
-                          max_prefill_tokens=8192, num_blocks=args.num_blocks,
-                          gpu_memory_fraction=0.45 if args.hf else 0.8,
-                          compile=args.compile, cuda_graphs=not args.no_graphs,
-                          prefill_graph_buckets=None if args.prefill_graph_buckets is None
-                          else tuple(args.prefill_graph_buckets), block_size=args.block_size)
-    engine = EngineCore(loaded, config, publish=lambda pairs, stats: None)
+    max_batch = max(b for b, _, _, _ in cases)
+    pool_tokens = None
+    if args.num_blocks is not None:
+        pool_tokens = args.num_blocks * args.block_size[0]
+    elif len(args.block_size) > 1:                 # room for every sequence of each case
+        pool_tokens = max(b * (p + n + max(args.block_size)) for b, p, n, _ in cases)
+    engines = {}
+    for block_size in args.block_size:
+        config = EngineConfig(max_batch=max_batch, max_model_len=max(longest, 1024),
+                              max_prefill_tokens=8192,
+                              num_blocks=None if pool_tokens is None else -(-pool_tokens // block_size),
+                              gpu_memory_fraction=0.45 if args.hf else 0.8,
+                              compile=args.compile, cuda_graphs=not args.no_graphs,
+                              prefill_graph_buckets=None if args.prefill_graph_buckets is None
+                              else tuple(args.prefill_graph_buckets), block_size=block_size)
+        name = "ours" if not engines else f"ours_bs{block_size}"
+        engines[name] = EngineCore(loaded, config, publish=lambda pairs, stats: None)
+    engine = engines["ours"]
     hf_model = None
     if args.hf:
         hf_model = copy.deepcopy(loaded.model)
@@ -144,46 +159,53 @@ def main(argv=None):
     rows = []
     for batch, prompt_len, new_tokens, modes in cases:
         prompts = random_prompts(batch, prompt_len, vocab, seed=batch * 7 + prompt_len)
-        runners = {"ours": lambda: run_ours(engine, prompts, new_tokens)}
+        runners = {name: lambda core=core: run_ours(core, prompts, new_tokens) for name, core in engines.items()}
         for mode in modes:
             if batch <= args.hf_max_batch:
                 runners[f"hf_{mode}"] = lambda mode=mode: run_hf(hf_model, prompts, new_tokens, mode)
-        run_ours(engine, prompts[:1], 4)                                    # warm-up
+        for core in engines.values():
+            run_ours(core, prompts[:1], 4)                                  # warm-up
         for mode in args.hf:
             if f"hf_{mode}" in runners:
                 # warm-up; the static cache is sized by the length, so it warms up (compiles) at full length
                 run_hf(hf_model, prompts, new_tokens if mode == "static" else min(new_tokens, 8), mode)
-        times = interleaved(runners, args.repeats)
+        samples = interleaved(runners, args.repeats)
+        times = {name: statistics.median(v) for name, v in samples.items()}
         row = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
                "ours_s": times["ours"], "ours_tok_per_s": batch * new_tokens / times["ours"]}
         row["tok_per_s"] = row["ours_tok_per_s"]
+        for name in list(engines)[1:]:
+            row[f"{name}_tok_per_s"] = batch * new_tokens / times[name] if name in times else None
         for mode in args.hf:
             t = times.get(f"hf_{mode}")
             row[f"hf_{mode}_tok_per_s"] = batch * new_tokens / t if t else None
         hf_rates = [row.get(f"hf_{m}_tok_per_s") for m in args.hf]
         best = max((r for r in hf_rates if r), default=None)
         row["ratio_to_best_hf"] = row["ours_tok_per_s"] / best if best else None
+        row["runs_s"] = samples
         rows.append(row)
         print(json.dumps(row), flush=True)
 
     result = {"model": args.model, "device": str(device), "dtype": str(loaded.dtype),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "kv_pool_tokens": engine.runner.kv_tokens, "block_size": engine.runner.block_size,
+              "other_block_sizes": [core.runner.block_size for core in list(engines.values())[1:]],
               "graph_buckets": sorted(engine.runner.graphs),
               "capture_s": engine.runner.capture_seconds, "merge_mode": args.merge_mode, "ours": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
-    print(markdown(rows, args.hf))
+    print(markdown(rows, args.hf, list(engines)[1:]))
 
 
-def markdown(rows, modes) -> str:
-    head = "| B | prompt | new | ours tok/s | " + " | ".join(f"HF {m} tok/s" for m in modes) + " | ours / best HF |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+def markdown(rows, modes, others=()) -> str:
+    names = ["ours", *others] + [f"hf_{m}" for m in modes]
+    head = ["B", "prompt", "new"] + [f"{n} tok/s" for n in names] + ["ours / best HF"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        hf = " | ".join(f"{r.get(f'hf_{m}_tok_per_s') or float('nan'):.1f}" for m in modes)
+        rates = [f"{r.get(f'{n}_tok_per_s') or float('nan'):.1f}" for n in names]
         ratio = f"{r['ratio_to_best_hf']:.2f}x" if r["ratio_to_best_hf"] else "-"
-        lines.append(f"| {r['batch']} | {r['prompt_len']} | {r['new_tokens']} | {r['ours_tok_per_s']:.1f} | {hf} | {ratio} |")
+        lines.append("| " + " | ".join([str(r["batch"]), str(r["prompt_len"]), str(r["new_tokens"]), *rates, ratio]) + " |")
     return "\n".join(lines)
 
 
