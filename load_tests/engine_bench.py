@@ -110,7 +110,8 @@ def main(argv=None):
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--block-size", type=int, nargs="+", default=[EngineConfig.block_size],
                     help="KV cache block size; several: one engine each, interleaved in every case (ours_bsN "
-                         "columns for all but the first), with pools of equal tokens")
+                         "columns for all but the first), with pools of equal tokens (--num-blocks counts blocks "
+                         "of the first size; without it, room for every case)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--prefill-graph-buckets", type=int, nargs="*", default=None,
@@ -119,6 +120,8 @@ def main(argv=None):
                     help="the attention kernel's launch plan (kernels.ops.MERGE_*), to compare plans")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if len(set(args.block_size)) != len(args.block_size):
+        ap.error("--block-size: each size once")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.merge_mode is not None:
         from kernels import ops
@@ -189,7 +192,8 @@ def main(argv=None):
     result = {"model": args.model, "device": str(device), "dtype": str(loaded.dtype),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "kv_pool_tokens": engine.runner.kv_tokens, "block_size": engine.runner.block_size,
-              "other_block_sizes": [core.runner.block_size for core in list(engines.values())[1:]],
+              "engines": {name: {"block_size": core.runner.block_size, "kv_pool_tokens": core.runner.kv_tokens}
+                          for name, core in engines.items()},
               "graph_buckets": sorted(engine.runner.graphs),
               "capture_s": engine.runner.capture_seconds, "merge_mode": args.merge_mode, "ours": rows}
     if args.out:
