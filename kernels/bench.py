@@ -310,7 +310,7 @@ def main(argv=None):
                     if args.repeat > 1:
                         row[key.replace("_us", "_all_us")] = values
                 if args.cluster_sweep:
-                    buffers = SweepBuffers(batch, shape[0], shape[2], device)
+                    buffers = buffers or SweepBuffers(batch, shape[0], shape[2], device)
                     cap = planner.max_splits_for(seq_len, ops.MAX_SPLITS)
                     row["cluster_sweep_us"] = {
                         n: try_time(case.ours(num_splits=n, merge_mode=ops.MERGE_CLUSTER_PDL, spread=True,

@@ -142,11 +142,11 @@ def main(argv=None):
         label = f"{'/'.join(map(str, shape))} B={batch} M={seq_len}"
         rows.append({"case": label, "splits": splits, "blocks": blocks, "graph_us": graph_us, "span_us": span,
                      "stages_us": stages, "sm_ghz": statistics.median(r[2] for r in runs)})
-        if args.warm and args.blocks:
+        if args.blocks:  # implies --warm
             rows[-1]["over_blocks_us"] = spread
         print(f"| {label} | {splits} | {blocks} | {graph_us:.1f} | {span:.1f} | "
               + " | ".join(f"{stages[n]:.2f}" for n in STAGES + WAITS) + " |", flush=True)
-        if args.warm and args.blocks:
+        if args.blocks:
             print(f"  {label}, last call of the graph: us after the first PDL release; percentiles 0/10/50/90/100")
             for key, values in spread.items():
                 if any(word in key for word in ("waited", "first_tile", "loop_done", "exit")):

@@ -31,8 +31,8 @@ class Workspace:
         self.max_splits = max_splits or max_splits_for(max_seq_len)
         self.num_sms = device_sm_count(self.device)
         # The CUDA kernel runs one thread block per 16 query heads of a KV head's group.
-        work_heads = self.num_kv_heads * -(-(num_q_heads // self.num_kv_heads) // 16)
         group = num_q_heads // self.num_kv_heads
+        work_heads = self.num_kv_heads * -(-group // 16)
         three_per_sm = head_dim == 64 and group <= 8 and self.device.type == "cuda"
         # The launcher's plan (the kernel may run three blocks per SM), and the one for calls whose
         # launch arguments rule that out (an explicit merge mode, ring depth or warp layout).
