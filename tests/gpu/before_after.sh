@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The kernel and engine benchmarks of two trees on one GPU host, taking turns, and their ratios.
+#
+#   git archive BASE | tar -x -C .before       # the code before, beside this checkout
+#   BEFORE=.before OUT=results/before_after bash tests/gpu/before_after.sh
+#
+# Both trees' kernels are built first (each in a cache of its own); then the kernel benchmark
+# runs once per tree and the engine benchmark ROUNDS times per tree, alternating, so that drift
+# of the host hits both alike. compare_before_after.py prints the ratios last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+BEFORE=$(cd "${BEFORE:?name the tree of the code before}" && pwd)
+AFTER=$PWD
+OUT=${OUT:-results/before_after}
+ROUNDS=${ROUNDS:-2}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+in_tree() {  # in_tree before|after command...
+  local name=$1; shift
+  local dir=$AFTER; [ "$name" = before ] && dir=$BEFORE
+  (cd "$dir" && FLASHDECODE_CACHE=/tmp/flashdecode-$name PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} "$@")
+}
+
+stamp "building both kernels"
+in_tree before python3 -c "from kernels import ops; ops.load()" > "$OUT/build_before.log" 2>&1 &
+in_tree after python3 -c "from kernels import ops; ops.load()" > "$OUT/build_after.log" 2>&1 &
+wait
+tail -3 "$OUT"/build_*.log
+
+for name in before after; do
+  stamp "kernel benchmark, $name"
+  in_tree $name timeout 300 python3 -m kernels.bench --out "$OUT/kernel_$name" --repeat 3 \
+      > "$OUT/kernel_$name.log" 2>&1 || echo "kernel benchmark of $name failed (see kernel_$name.log)"
+done
+for round in $(seq "$ROUNDS"); do
+  for name in before after; do
+    stamp "engine benchmark, $name, round $round"
+    in_tree $name timeout 300 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m \
+        --batch 1 16 64 256 --long-batch 1 8 --hf --repeats 3 --out "$OUT/engine_${name}_$round.json" \
+        > "$OUT/engine_${name}_$round.log" 2>&1 || echo "engine benchmark of $name failed (see engine_${name}_$round.log)"
+  done
+done
+stamp "done"
+python3 "$AFTER/tests/gpu/compare_before_after.py" "$OUT" | tee "$OUT/before_after.md"
