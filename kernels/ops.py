@@ -11,10 +11,10 @@ is needed (or must grow), which is refused during graph capture.
 import torch
 
 from . import build
+from .constants import HEAD_DIMS
 from .paging import SUPPORTED_BLOCK_SIZE_RULE, supported_block_size
 from .workspace import Workspace
 
-SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 _ready_devices: set[int] = set()
@@ -97,8 +97,9 @@ def _validate_decode(q, k_cache, v_cache, block_table, seq_lens):
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q must be bfloat16 or float16 on CUDA, got {q.dtype}")
     batch, num_q_heads, head_dim = q.shape
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported by the CUDA kernel (supported: 64, 128)")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported by the CUDA kernel (supported: "
+                         f"{', '.join(map(str, HEAD_DIMS))})")
     if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or _misaligned(q):
         raise ValueError("q needs a contiguous last dim and 16-byte aligned rows (call q.contiguous())")
     _check_cache(k_cache, v_cache, q.device)

@@ -10,7 +10,8 @@ own length evenly among those splits on the device; splits that start past its e
 
 from dataclasses import dataclass
 
-from .constants import BLOCKS_PER_SM, HEADS_PER_BLOCK, MIN_CHUNK, WIDE_BLOCKS_PER_SM, WIDE_WARP_MAX_GROUP
+from .constants import (BLOCKS_PER_SM, HEADS_PER_BLOCK, MIN_CHUNK, WIDE_BLOCKS_PER_SM, WIDE_WARP_HEAD_DIM,
+                        WIDE_WARP_MAX_GROUP)
 
 MAX_SPLITS = 128        # a workspace plans at most this many splits (the kernel takes up to constants.MAX_SPLITS)
 FILL = 0.95             # a plan must keep at least this share of the block slots busy
@@ -38,7 +39,7 @@ def wave_fill(blocks: int, slots: int) -> float:
 
 def wide_warps(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether the kernel runs four consumer warps of 32 tokens (else eight, or four at head_dim 128, of 16)."""
-    return head_dim == 64 and num_q_heads // num_kv_heads <= WIDE_WARP_MAX_GROUP
+    return head_dim == WIDE_WARP_HEAD_DIM and num_q_heads // num_kv_heads <= WIDE_WARP_MAX_GROUP
 
 
 def plan_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_seq_len: int, cap: int = MAX_SPLITS,

@@ -77,7 +77,7 @@ def reference_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, 
     else:
         _, num_kv_heads, block_size, head_dim = k_cache.shape
         workspace.check_call(q.shape[0], q.shape[1], num_kv_heads, q.shape[2], block_table.shape[1], block_size,
-                             workspace.device)
+                             q.device)
         num_splits = workspace.num_splits(q.shape[0])
     return split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, scale=scale)
 

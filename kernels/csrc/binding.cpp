@@ -37,7 +37,7 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "caches must have q's dtype");
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(1), bs = k_cache.size(2);
-  TORCH_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128, got ", d);
+  TORCH_CHECK(supported_head_dim(d), "head_dim must be ", kHeadDims[0], " or ", kHeadDims[1], ", got ", d);
   TORCH_CHECK(k_cache.size(3) == d, "cache head_dim ", k_cache.size(3), " != q head_dim ", d);
   TORCH_CHECK(hkv >= 1 && hq % hkv == 0, "num_q_heads ", hq, " is not a multiple of num_kv_heads ", hkv);
   TORCH_CHECK(supported_block_size(bs), "unsupported block_size ", bs);
@@ -48,8 +48,8 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                   seq_lens.is_contiguous(),
               "seq_lens must be int32 [B]");
   TORCH_CHECK(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits must be in 1..", kMaxSplits);
-  TORCH_CHECK(!three_per_sm || (num_splits == 2 && d == 64 && hq / hkv <= kWideWarpMaxGroup),
-              "the three-per-SM plan is two splits at head_dim 64 with at most ", kWideWarpMaxGroup,
+  TORCH_CHECK(!three_per_sm || (num_splits == 2 && d == kWideWarpHeadDim && hq / hkv <= kWideWarpMaxGroup),
+              "the three-per-SM plan is two splits at head_dim ", kWideWarpHeadDim, " with at most ", kWideWarpMaxGroup,
               " query heads per KV head");
   TORCH_CHECK(q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0 && aligned16(q) && aligned16(k_cache) &&
                   aligned16(v_cache),

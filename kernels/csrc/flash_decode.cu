@@ -147,7 +147,7 @@ cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
   if (!supported_block_size(p.block_size)) return cudaErrorInvalidValue;
   // Four consumer warps of 32 tokens beat eight of 16 at head_dim 64 (docs/log.md); groups of
   // more heads keep eight warps, which hold the padding rows' softmax state.
-  const bool wide = p.head_dim == 64 && p.num_q_heads / p.num_kv_heads <= kWideWarpMaxGroup;
+  const bool wide = p.head_dim == kWideWarpHeadDim && p.num_q_heads / p.num_kv_heads <= kWideWarpMaxGroup;
   if (p.three_per_sm && !(wide && p.num_splits == 2)) return cudaErrorInvalidValue;
   if (p.dtype == DType::kBFloat16) {
     if (p.head_dim == 64)

@@ -7,7 +7,7 @@
 
 // The numbers Python shares with these sources are defined in kernels/constants.py alone;
 // kernels/build.py passes them as -D defines.
-#if !defined(FLASHDECODE_HEADS_PER_BLOCK) || !defined(FLASHDECODE_MAX_SPLITS) || !defined(FLASHDECODE_MIN_CHUNK) || \
+#if !defined(FLASHDECODE_HEAD_DIMS_0) || !defined(FLASHDECODE_HEAD_DIMS_1) || !defined(FLASHDECODE_WIDE_WARP_HEAD_DIM) || !defined(FLASHDECODE_HEADS_PER_BLOCK) || !defined(FLASHDECODE_MAX_SPLITS) || !defined(FLASHDECODE_MIN_CHUNK) || \
     !defined(FLASHDECODE_TILE_ELEMENTS) || !defined(FLASHDECODE_WIDE_WARP_MAX_GROUP) ||                          \
     !defined(FLASHDECODE_BLOCKS_PER_SM) || !defined(FLASHDECODE_WIDE_BLOCKS_PER_SM) ||                            \
     !defined(FLASHDECODE_BLOCK_SIZE_GRANULE) || !defined(FLASHDECODE_BLOCK_SIZE_PERIOD)
@@ -16,6 +16,11 @@
 
 namespace flashdecode {
 
+// The head_dims the launcher instantiates kernels for (launch_flash_decode).
+constexpr int kHeadDims[] = {FLASHDECODE_HEAD_DIMS_0, FLASHDECODE_HEAD_DIMS_1};
+static_assert(kHeadDims[0] == 64 && kHeadDims[1] == 128,
+              "launch_flash_decode instantiates head_dim 64 and 128");
+constexpr bool supported_head_dim(int64_t head_dim) { return head_dim == kHeadDims[0] || head_dim == kHeadDims[1]; }
 // Query heads one thread block serves (the MMA's M); larger GQA groups take several blocks.
 constexpr int kHeadsPerBlock = FLASHDECODE_HEADS_PER_BLOCK;
 // Largest split count a launch accepts (bounds the merge's shared memory).
@@ -24,7 +29,9 @@ constexpr int kMaxSplits = FLASHDECODE_MAX_SPLITS;
 constexpr int kMinChunk = FLASHDECODE_MIN_CHUNK;
 // Groups of at most this many query heads per KV head run four consumer warps of 32 tokens at
 // head_dim 64 (larger groups keep eight of 16, which hold the padding rows' softmax state).
+constexpr int kWideWarpHeadDim = FLASHDECODE_WIDE_WARP_HEAD_DIM;
 constexpr int kWideWarpMaxGroup = FLASHDECODE_WIDE_WARP_MAX_GROUP;
+static_assert(kWideWarpHeadDim == 64, "the four-warp layout is instantiated at head_dim 64");
 // Split blocks resident per SM: two, or three in the three-per-SM plan.
 constexpr int kBlocksPerSm = FLASHDECODE_BLOCKS_PER_SM;
 constexpr int kWideBlocksPerSm = FLASHDECODE_WIDE_BLOCKS_PER_SM;
