@@ -90,10 +90,9 @@ class Case:
         self.workspace = Workspace(batch, num_q, dim, seq_len, device, num_kv_heads=num_kv)
         self.paged = [(q, *pack_paged(k, v, block_size)) for q, k, v in self.dense]
 
-    def ours(self, read_ahead=True):
+    def ours(self):
         def make(q, kc, vc, bt):
-            return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=self.workspace,
-                                                 read_ahead=read_ahead)
+            return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=self.workspace)
         return [make(*s) for s in self.paged]
 
     def peer(self, backend):
