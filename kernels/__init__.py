@@ -5,16 +5,15 @@ tensors; both compute the same split-KV algorithm (see ``reference.py`` and ``cs
 """
 
 from .paging import cache_shape, pack_paged
-from .planner import plan_num_splits
+from .planner import Plan, split_plan
 from .reference import reference_decode, reference_write_kv
 from .workspace import Workspace
 
 __all__ = ["flash_decode", "write_kv", "reference_decode", "reference_write_kv", "pack_paged",
-           "cache_shape", "Workspace", "plan_num_splits"]
+           "cache_shape", "Workspace", "Plan", "split_plan"]
 
 
-def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None,
-                 read_ahead=True):
+def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True):
     """Attention of one new query token per sequence over its paged KV cache.
 
     q [B, Hq, D]; k_cache/v_cache [num_blocks, Hkv, block_size, D] (``paging.py``);
@@ -25,13 +24,16 @@ def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, work
     dependent launch): none that may still run may write those. ``q`` and row ``seq_len - 1`` (a
     decode step's new token) they may write. ``read_ahead=False`` reads nothing before they
     have finished.
+
+    ``workspace`` (``Workspace``) holds the split buffers and the plan; one planned for other head
+    counts, another head_dim or shorter sequences than the block table reaches is refused with a
+    ValueError. Without one a default workspace is kept per head layout.
     """
     if q.is_cuda:
         from . import ops
         return ops.flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
-                                     workspace=workspace, num_splits=num_splits, read_ahead=read_ahead)
-    return reference_decode(q, k_cache, v_cache, block_table, seq_lens,
-                            scale=scale, workspace=workspace, num_splits=num_splits)
+                                     workspace=workspace, read_ahead=read_ahead)
+    return reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale=scale, workspace=workspace)
 
 
 def write_kv(k_cache, v_cache, key, value, slot_mapping):

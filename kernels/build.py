@@ -1,6 +1,6 @@
 """Just-in-time build of the CUDA extension (``csrc/``), cached on disk.
 
-The first use compiles ``flash_decode.cu`` and ``binding.cpp`` with ninja through
+The first use compiles the sources of ``csrc/`` (``SOURCES``) with ninja through
 ``torch.utils.cpp_extension.load`` into ``$FLASHDECODE_CACHE`` (default ``~/.cache/flashdecode``),
 one folder per torch/CUDA version; later processes load the cached library in well under a
 second, and an edited source triggers a rebuild. The kernels use Hopper's bulk copies and
@@ -15,12 +15,15 @@ from pathlib import Path
 
 import torch
 
+from .constants import nvcc_defines
+
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("flash_decode.cu", "layer_ops.cu", "binding.cpp")
+SOURCES = ("flash_decode.cu", "write_kv.cu", "layer_ops.cu", "binding.cpp")
 EXTENSION_NAME = "flashdecode_ext"
 ARCH_FLAGS = ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
-NVCC_FLAGS = ["-O3", "-lineinfo", *ARCH_FLAGS]
-CXX_FLAGS = ["-O3"]
+DEFINES = nvcc_defines()    # the constants shared with Python (constants.py)
+NVCC_FLAGS = ["-O3", "-lineinfo", *ARCH_FLAGS, *DEFINES]
+CXX_FLAGS = ["-O3", *DEFINES]
 # A host compiler that links its C++ runtime statically (the GPU image's /opt/gcc does) would
 # otherwise export that copy's symbols, and the process binds some of them to the system
 # libstdc++ that torch loaded: formatting a number in an error message then crashed. Hidden, the
@@ -75,25 +78,18 @@ def check_device(device: torch.device) -> None:
 _loaded_path: str | None = None
 
 
-def load_extension(verbose: bool = False, require_device: bool = True, timeline: bool = False,
-                   copy_only: bool = False) -> str:
+def load_extension(verbose: bool = False, require_device: bool = True) -> str:
     """Build (first time) and load the library that registers ``torch.ops.flashdecode``.
-    ``require_device=False`` builds where no GPU is visible (an image build, say). ``timeline``
-    builds the diagnostic variant instead (``kernels/timeline.py``), and ``copy_only`` its
-    variant whose consumers skip the arithmetic (wrong output); a process holds one variant,
-    the first it loads."""
+    ``require_device=False`` builds where no GPU is visible (an image build, say)."""
     global _loaded_path
     if _loaded_path is None:
         check_toolchain(require_device)
         from torch.utils.cpp_extension import load
-        tags = (["timeline"] if timeline else []) + (["copy_only"] if timeline and copy_only else [])
-        build_dir = cache_dir() / "_".join(tags) if tags else cache_dir()
+        build_dir = cache_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
-        define = [f"-DFLASHDECODE_{tag.upper()}" for tag in tags]
-        load(name="_".join([EXTENSION_NAME, *tags]), sources=[str(CSRC / s) for s in SOURCES],
-             extra_cflags=CXX_FLAGS + define, extra_cuda_cflags=NVCC_FLAGS + define, extra_ldflags=LD_FLAGS,
-             extra_include_paths=[str(CSRC)], build_directory=str(build_dir), is_python_module=False,
-             verbose=verbose)
+        load(name=EXTENSION_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CXX_FLAGS,
+             extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=LD_FLAGS, extra_include_paths=[str(CSRC)],
+             build_directory=str(build_dir), is_python_module=False, verbose=verbose)
         _loaded_path = str(build_dir)
     return _loaded_path
 

@@ -10,37 +10,12 @@ is needed (or must grow), which is refused during graph capture.
 
 import torch
 
-from . import build, planner
+from . import build
+from .constants import HEAD_DIMS
 from .paging import SUPPORTED_BLOCK_SIZE_RULE, supported_block_size
 from .workspace import Workspace
 
-SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-MAX_SPLITS = 256
-HEADS_PER_BLOCK = 16
-MAX_RING_STAGES = 6     # K/V tiles in flight per block; 0 lets the launcher choose (3); more than 3
-                        # only applies to a block alone on its SM
-
-MERGE_LAST_BLOCK = 0    # the last split block of each (sequence, KV head) merges, in the same launch
-MERGE_KERNEL = 1        # a second small kernel
-MERGE_KERNEL_PDL = 2    # the second kernel with programmatic dependent launch
-MERGE_PDL_CHAIN = 3     # as MERGE_KERNEL_PDL, and the split kernel a PDL dependent of its predecessor
-MERGE_PDL_LATE = 4      # as MERGE_PDL_CHAIN, the next grid let in only after this call's KV reads
-MERGE_CLUSTER = 5       # a cluster per (sequence, head group) merges in shared memory (<= 16 splits, else 2)
-MERGE_CLUSTER_PDL = 6   # as MERGE_CLUSTER, launched as a PDL dependent with the late trigger (else 4)
-MERGE_AUTO = 7          # chosen per grid by the launcher: 9 or 3 with spread where the grid fits one
-                        # block per SM, else 3 or 8 (it sets spread itself: the spread argument
-                        # does not matter here; spread applies to grids of at most one block per SM)
-MERGE_PDL_LOADS = 8     # as MERGE_PDL_LATE, but a one-split grid lets the next in once its loads are issued
-MERGE_CLUSTER_PDL_LOADS = 9  # as MERGE_CLUSTER_PDL, a cluster or one-split grid as MERGE_PDL_LOADS (else 3)
-MERGE_MODES = tuple(range(10))
-DEFAULT_MERGE = MERGE_AUTO   # chosen by measurement, see NOTES.md
-
-
-def tile_tokens(head_dim: int) -> int:
-    """Tokens of one K/V tile, a 32 KB pipeline stage (``tile_tokens`` in csrc/flash_decode.h)."""
-    return 8192 // head_dim
-
 
 _ready_devices: set[int] = set()
 _default_workspaces: dict[tuple, Workspace] = {}
@@ -66,10 +41,8 @@ def _register_fakes() -> None:
         return
 
     @torch.library.register_fake("flashdecode::flash_decode")
-    def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits,
-                           partial_out, partial_lse, merge_counters, merge_mode=7, min_chunk=256,
-                           spread=False, ring_stages=0, copy_rows=0, read_ahead=True, warp_tokens=0,
-                           merge_one_trip=True, ahead_tiles=0):
+    def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, three_per_sm,
+                           partial_out, partial_lse, read_ahead=True):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("flashdecode::write_kv")
@@ -124,8 +97,9 @@ def _validate_decode(q, k_cache, v_cache, block_table, seq_lens):
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q must be bfloat16 or float16 on CUDA, got {q.dtype}")
     batch, num_q_heads, head_dim = q.shape
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported by the CUDA kernel (supported: 64, 128)")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported by the CUDA kernel (supported: "
+                         f"{', '.join(map(str, HEAD_DIMS))})")
     if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or _misaligned(q):
         raise ValueError("q needs a contiguous last dim and 16-byte aligned rows (call q.contiguous())")
     _check_cache(k_cache, v_cache, q.device)
@@ -167,9 +141,7 @@ def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_se
     return ws
 
 
-def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None,
-                      merge_mode=None, min_chunk=None, spread=False, ring_stages=0, copy_rows=0, read_ahead=True,
-                      warp_tokens=0, merge_one_trip=True, ahead_tiles=0):
+def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True):
     """``kernels.flash_decode`` for CUDA tensors; see ``kernels/__init__.py`` for the contract."""
     batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
                                                                                seq_lens)
@@ -177,42 +149,12 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     if workspace is None:
         workspace = default_workspace(q.device, num_q_heads, num_kv_heads, head_dim, batch,
                                       block_table.shape[1] * block_size)
-    elif (workspace.num_q_heads != num_q_heads or workspace.head_dim != head_dim
-          or workspace.partial_out.device != q.device):
-        raise ValueError(f"workspace is for Hq={workspace.num_q_heads}, D={workspace.head_dim} on "
-                         f"{workspace.partial_out.device}; this call has Hq={num_q_heads}, D={head_dim} on {q.device}")
-    mode = DEFAULT_MERGE if merge_mode is None else int(merge_mode)
-    # The planner's two splits of three blocks per SM need the launcher's choices (flash_decode.cu).
-    launcher_plan = mode == MERGE_AUTO and not ring_stages and warp_tokens != 16
-    splits = workspace.num_splits(batch, launcher_plan) if num_splits is None else int(num_splits)
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {splits}")
-    if splits > 1 and not workspace.fits(batch, splits):
-        raise ValueError(f"workspace (max_batch {workspace.max_batch}, {workspace.capacity_rows} rows, "
-                         f"max_splits {workspace.max_splits}) cannot hold batch {batch} x {splits} splits")
-    head_tiles = -(-(num_q_heads // num_kv_heads) // HEADS_PER_BLOCK)
-    if splits > 1 and workspace.merge_counters.numel() < batch * num_kv_heads * head_tiles:
-        raise ValueError("workspace.merge_counters is too small for this batch and head layout")
+    workspace.check_call(batch, num_q_heads, num_kv_heads, head_dim, block_table.shape[1], block_size, q.device)
+    plan = workspace.plan(batch)
     scale = head_dim ** -0.5 if scale is None else float(scale)
-    if mode not in MERGE_MODES:
-        raise ValueError(f"merge_mode must be one of {MERGE_MODES} (kernels.ops.MERGE_*), got {merge_mode}")
-    chunk = planner.MIN_CHUNK if min_chunk is None else int(min_chunk)
-    if not 0 <= int(ring_stages) <= MAX_RING_STAGES:
-        raise ValueError(f"ring_stages must be in 0..{MAX_RING_STAGES} (0: the launcher's choice), got {ring_stages}")
-    if warp_tokens not in (0, 16) and not (warp_tokens == 32 and head_dim == 64 and num_q_heads // num_kv_heads <= 8):
-        raise ValueError("warp_tokens must be 0 (the launcher's choice), 16, or 32 at head_dim 64 with at most "
-                         f"8 query heads per KV head, got {warp_tokens}")
-    if not 0 <= int(ahead_tiles) <= MAX_RING_STAGES:
-        raise ValueError(f"ahead_tiles must be in 0..{MAX_RING_STAGES} (0: the launcher's choice), got {ahead_tiles}")
-    copy_span = min(block_size, tile_tokens(head_dim))
-    if copy_rows and (copy_rows < 0 or copy_rows % 8 or copy_span % copy_rows):
-        raise ValueError(f"copy_rows must be 0 (the launcher's choice) or a multiple of 8 dividing {copy_span}, "
-                         f"got {copy_rows}")
-    return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, splits,
-                                              workspace.partial_out, workspace.partial_lse,
-                                              workspace.merge_counters, mode, chunk, bool(spread),
-                                              int(ring_stages), int(copy_rows), bool(read_ahead),
-                                              int(warp_tokens), bool(merge_one_trip), int(ahead_tiles))
+    return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, plan.num_splits,
+                                              plan.three_per_sm, workspace.partial_out, workspace.partial_lse,
+                                              bool(read_ahead))
 
 
 def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):

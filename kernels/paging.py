@@ -10,13 +10,17 @@ must write nothing. Entries of ``block_table`` past a sequence's last block are 
 
 import torch
 
-# Tokens per cache block unless the engine says otherwise (chosen by measurement: kernels/NOTES.md).
+from .constants import BLOCK_SIZE_GRANULE, BLOCK_SIZE_PERIOD
+
+# Tokens per cache block unless the engine says otherwise (chosen by measurement: docs/log.md).
 DEFAULT_BLOCK_SIZE = 128
-SUPPORTED_BLOCK_SIZE_RULE = "the CUDA kernel needs 16, 32, 64 or a multiple of 128"
+SUPPORTED_BLOCK_SIZE_RULE = (f"the CUDA kernel needs a multiple of {BLOCK_SIZE_GRANULE} that divides "
+                             f"{BLOCK_SIZE_PERIOD} or is a multiple of it")
 
 
 def supported_block_size(block_size: int) -> bool:
-    return block_size > 0 and block_size % 16 == 0 and (128 % block_size == 0 or block_size % 128 == 0)
+    return (block_size > 0 and block_size % BLOCK_SIZE_GRANULE == 0
+            and (BLOCK_SIZE_PERIOD % block_size == 0 or block_size % BLOCK_SIZE_PERIOD == 0))
 
 
 def cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int) -> tuple[int, ...]:

@@ -8,16 +8,27 @@ same plan is valid for every step replayed from one CUDA graph. Each sequence th
 own length evenly among those splits on the device; splits that start past its end are empty.
 """
 
-MIN_CHUNK = 256         # a split never gets fewer tokens (on the device too): fewer cost more to merge
-RESIDENT_PER_SM = 2     # the CUDA kernel keeps two blocks per SM (three in the THREE_PER_SM plan)
+from dataclasses import dataclass
+
+from .constants import (BLOCKS_PER_SM, HEADS_PER_BLOCK, MIN_CHUNK, WIDE_BLOCKS_PER_SM, WIDE_WARP_HEAD_DIM,
+                        WIDE_WARP_MAX_GROUP)
+
+MAX_SPLITS = 128        # a workspace plans at most this many splits (the kernel takes up to constants.MAX_SPLITS)
 FILL = 0.95             # a plan must keep at least this share of the block slots busy
 ONE_WAVE_FILL = 0.9     # ... or of the SMs, for one block per SM (spread: no SM doubles up)
 TAIL_MIN_CHUNK = 8192   # splitting only to even out the last wave pays where splits keep this many tokens
-THREE_PER_SM = 3        # four-warp head_dim-64 blocks with rings of two stages: three fit on an SM
-THREE_PER_SM_MIN_LEN = 4096  # ... and pay for sequences this long (measured at 4096; at 512 they lost)
+THREE_PER_SM_MIN_LEN = 4096  # the three-per-SM plan pays for sequences this long (measured at 4096; at 512 it lost)
 
 
-def max_splits_for(max_seq_len: int, cap: int = 128) -> int:
+@dataclass(frozen=True)
+class Plan:
+    """How the CUDA kernel runs a call: its split count, and whether its blocks run three per SM
+    (four-warp head_dim-64 blocks with rings of two stages, the two splits merging in a cluster)."""
+    num_splits: int
+    three_per_sm: bool = False
+
+
+def max_splits_for(max_seq_len: int, cap: int = MAX_SPLITS) -> int:
     return max(1, min(cap, -(-max_seq_len // MIN_CHUNK)))
 
 
@@ -26,29 +37,50 @@ def wave_fill(blocks: int, slots: int) -> float:
     return blocks / (slots * -(-blocks // slots))
 
 
-def plan_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_seq_len: int, cap: int = 128,
+def wide_warps(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel runs four consumer warps of 32 tokens (else eight, or four at head_dim 128, of 16)."""
+    return head_dim == WIDE_WARP_HEAD_DIM and num_q_heads // num_kv_heads <= WIDE_WARP_MAX_GROUP
+
+
+def plan_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_seq_len: int, cap: int = MAX_SPLITS,
                     three_per_sm: bool = False) -> int:
-    """Splits per (sequence, KV head), as measured best on the H200 (kernels/NOTES.md): one wave
-    of one block per SM filling 90 % of the SMs, else an even wave of two per SM; else, for long
-    sequences, the fewest splits whose blocks fill whole waves; else, where the kernel can run
-    three blocks per SM (``three_per_sm``: head_dim 64, at most eight query heads per KV head),
-    two splits that fill one such wave; else one."""
+    """Splits per (sequence, KV head), as measured best on the H200 (docs/log.md); see ``split_plan``."""
+    return _plan(batch, num_kv_heads, num_sms, max_seq_len, cap, three_per_sm).num_splits
+
+
+def split_plan(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, num_sms: int,
+               max_seq_len: int) -> Plan:
+    """The plan of a call of ``batch`` sequences of at most ``max_seq_len`` tokens on ``num_sms`` SMs.
+    A block serves up to HEADS_PER_BLOCK query heads of one KV head, so the work items are
+    ``batch * num_kv_heads * ceil(group / HEADS_PER_BLOCK)``."""
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    work_heads = num_kv_heads * -(-(num_q_heads // num_kv_heads) // HEADS_PER_BLOCK)
+    return _plan(batch, work_heads, num_sms, max_seq_len, MAX_SPLITS,
+                 wide_warps(num_q_heads, num_kv_heads, head_dim))
+
+
+def _plan(batch, num_kv_heads, num_sms, max_seq_len, cap, three_per_sm) -> Plan:
+    """One wave of one block per SM filling 90 % of the SMs, else an even wave of two per SM; else,
+    for long sequences, the fewest splits whose blocks fill whole waves; else, where the kernel can
+    run three blocks per SM (``three_per_sm``: four-warp blocks), two splits that fill one such
+    wave; else one."""
     if batch < 1 or num_kv_heads < 1:
         raise ValueError("batch and num_kv_heads must be positive")
     work_items = batch * num_kv_heads
     limit = max_splits_for(max_seq_len, cap)
-    for per_sm in range(1, RESIDENT_PER_SM + 1):
+    for per_sm in range(1, BLOCKS_PER_SM + 1):
         splits = per_sm * num_sms // work_items
         fill = ONE_WAVE_FILL if per_sm == 1 else FILL
         if splits >= 1 and work_items * splits >= fill * per_sm * num_sms:
-            return min(splits, limit)
-    slots = RESIDENT_PER_SM * num_sms
+            return Plan(min(splits, limit))
+    slots = BLOCKS_PER_SM * num_sms
     tail_limit = max(1, min(limit, max_seq_len // TAIL_MIN_CHUNK))
     for splits in range(1, tail_limit + 1):
         if wave_fill(work_items * splits, slots) >= FILL:
-            return splits
-    wide_slots = THREE_PER_SM * num_sms
+            return Plan(splits)
+    wide_slots = WIDE_BLOCKS_PER_SM * num_sms
     if (three_per_sm and limit >= 2 and max_seq_len >= THREE_PER_SM_MIN_LEN
             and 2 * work_items <= wide_slots and wave_fill(2 * work_items, wide_slots) >= FILL):
-        return 2  # the launcher runs this grid as four-warp blocks, three per SM (flash_decode.cu)
-    return 1
+        return Plan(2, three_per_sm=True)
+    return Plan(1)

@@ -20,14 +20,13 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--ring-stages", type=int, default=0)
     parser.add_argument("--peer", choices=sorted(bench.PEERS), help="call this SDPA backend instead of ours")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     ops.load(device)
     shape = tuple(int(x) for x in args.shape.split("/"))
     case = bench.Case(shape, args.batch, args.seq_len, DEFAULT_BLOCK_SIZE, device)
-    calls = case.peer(bench.PEERS[args.peer]) if args.peer else case.ours(ring_stages=args.ring_stages)
+    calls = case.peer(bench.PEERS[args.peer]) if args.peer else case.ours()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()  # a profiler run with --profile-from-start off sees these calls alone
     for i in range(args.calls):

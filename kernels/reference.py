@@ -68,14 +68,26 @@ def merge_splits(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return (weights.unsqueeze(-1) * o).sum(dim=2)
 
 
-def reference_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, num_splits=None):
-    """One decode step of attention for each sequence. Same contract as ``flash_decode``."""
+def reference_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True):
+    """One decode step of attention for each sequence. Same contract as ``flash_decode`` (on the
+    CPU nothing runs ahead, so ``read_ahead`` changes nothing); the workspace's plan sets the split
+    count, and a workspace that does not fit the call is refused as on CUDA."""
+    if workspace is None:
+        num_splits = max_splits_for(int(seq_lens.max()))
+    else:
+        _, num_kv_heads, block_size, head_dim = k_cache.shape
+        workspace.check_call(q.shape[0], q.shape[1], num_kv_heads, q.shape[2], block_table.shape[1], block_size,
+                             q.device)
+        num_splits = workspace.num_splits(q.shape[0])
+    return split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, scale=scale)
+
+
+def split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, *, scale=None):
+    """``reference_decode`` with an explicit split count (any count gives the same result)."""
     head_dim = q.shape[-1]
     scale = head_dim ** -0.5 if scale is None else scale
     acc = _accum_dtype(q.dtype)
     width = int(seq_lens.max())
-    if num_splits is None:
-        num_splits = max_splits_for(width) if workspace is None else workspace.num_splits(q.shape[0])
     k = gather_dense(k_cache, block_table, width).to(acc)
     v = gather_dense(v_cache, block_table, width).to(acc)
     o, lse = split_attention(q.to(acc) * scale, k, v, seq_lens.to(q.device), num_splits)

@@ -116,18 +116,11 @@ def main(argv=None):
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--prefill-graph-buckets", type=int, nargs="*", default=None,
                     help="token buckets of prefill graphs (none given: off; default: the engine's)")
-    ap.add_argument("--merge-mode", type=int, default=None,
-                    help="the attention kernel's launch plan (kernels.ops.MERGE_*), to compare plans")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if len(set(args.block_size)) != len(args.block_size):
         ap.error("--block-size: each size once")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.merge_mode is not None:
-        from kernels import ops
-        if args.merge_mode not in ops.MERGE_MODES:
-            ap.error(f"--merge-mode must be one of {ops.MERGE_MODES}")
-        ops.DEFAULT_MERGE = args.merge_mode
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     device = loaded.device
@@ -195,7 +188,7 @@ def main(argv=None):
               "engines": {name: {"block_size": core.runner.block_size, "kv_pool_tokens": core.runner.kv_tokens}
                           for name, core in engines.items()},
               "graph_buckets": sorted(engine.runner.graphs),
-              "capture_s": engine.runner.capture_seconds, "merge_mode": args.merge_mode, "ours": rows}
+              "capture_s": engine.runner.capture_seconds, "ours": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -2,7 +2,9 @@
 
 import pytest
 
-from kernels.planner import MIN_CHUNK, max_splits_for, plan_num_splits, wave_fill
+from kernels import constants, planner
+from kernels.constants import MIN_CHUNK, nvcc_defines
+from kernels.planner import Plan, max_splits_for, plan_num_splits, split_plan, wave_fill
 
 H200_SMS = 132
 
@@ -51,3 +53,36 @@ def test_wave_fill():
 def test_rejects_empty_work():
     with pytest.raises(ValueError):
         plan_num_splits(0, 3, H200_SMS, 100)
+
+
+@pytest.mark.parametrize("shape,batch,max_len,expected", [
+    ((9, 3, 64), 64, 4096, Plan(2, three_per_sm=True)),    # four-warp blocks, three per SM
+    ((9, 3, 64), 8, 4096, Plan(5)),
+    ((32, 8, 128), 64, 4096, Plan(1)),                     # head_dim 128 never runs three per SM
+    ((32, 2, 64), 64, 4096, Plan(1)),                      # groups of 16 keep eight warps
+    ((40, 2, 64), 1, 32768, Plan(33)),                     # groups of 20: two blocks per KV head (4 items)
+])
+def test_split_plan_of_a_head_layout(shape, batch, max_len, expected):
+    num_q, num_kv, dim = shape
+    assert split_plan(batch, num_q, num_kv, dim, H200_SMS, max_len) == expected
+
+
+def test_the_plan_depends_on_the_kv_heads():
+    """A plan made for Hq KV heads on a GQA call is another plan (it ran 3x slower on the H200)."""
+    assert split_plan(8, 9, 3, 64, H200_SMS, 32768) != split_plan(8, 9, 9, 64, H200_SMS, 32768)
+
+
+def test_split_plan_refuses_a_head_count_that_is_not_a_multiple():
+    with pytest.raises(ValueError, match="num_q_heads 9 must be a multiple of num_kv_heads 2"):
+        split_plan(1, 9, 2, 64, H200_SMS, 4096)
+
+
+def test_the_shared_constants_reach_the_compiler_once_each():
+    expected = []
+    for name in constants.SHARED:
+        value = getattr(constants, name)
+        expected += ([f"-DFLASHDECODE_{name}_{i}={v}" for i, v in enumerate(value)] if isinstance(value, tuple)
+                     else [f"-DFLASHDECODE_{name}={value}"])
+    assert nvcc_defines() == expected
+    assert len({d.split("=")[0] for d in expected}) == len(expected)
+    assert planner.MAX_SPLITS <= constants.MAX_SPLITS

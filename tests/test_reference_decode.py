@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.reference import merge_splits, split_attention
+from kernels.reference import merge_splits, split_attention, split_decode
 
 
 def dense_attention_f64(q, k, v, seq_lens, scale):
@@ -41,7 +41,7 @@ LENGTHS = [1, 2, BLOCK - 1, BLOCK, BLOCK + 1, 1000]
 @pytest.mark.parametrize("num_splits", [1, 5, 2000])
 def test_reference_matches_float64(head_dim, group, length, num_splits):
     q, k, v, k_cache, v_cache, table, lens = make_case(2, 2, group, head_dim, [length, length], BLOCK)
-    out = kernels.reference_decode(q, k_cache, v_cache, table, lens, num_splits=num_splits)
+    out = split_decode(q, k_cache, v_cache, table, lens, num_splits)
     ref = dense_attention_f64(q, k, v, lens, head_dim ** -0.5)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.isfinite(out).all()
@@ -53,7 +53,7 @@ def test_reference_matches_float64(head_dim, group, length, num_splits):
 def test_ragged_batch(num_splits, group):
     lens = [1, 2, BLOCK - 1, BLOCK, BLOCK + 1, 1000, 37]
     q, k, v, k_cache, v_cache, table, seq_lens = make_case(len(lens), 3, group, 64, lens, BLOCK)
-    out = kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, num_splits=num_splits)
+    out = split_decode(q, k_cache, v_cache, table, seq_lens, num_splits)
     ref = dense_attention_f64(q, k, v, seq_lens, 64 ** -0.5)
     assert (out.double() - ref).abs().max().item() <= 1e-5
 
@@ -64,16 +64,54 @@ def test_scale_and_default_plan():
     assert (out.double() - dense_attention_f64(q, k, v, lens, 0.3)).abs().max().item() <= 1e-5
 
 
-def test_workspace_plan_is_used():
+def test_workspace_plan_is_used(monkeypatch):
     ws = kernels.Workspace(4, 9, 64, 4096, "cpu", num_kv_heads=3)
     q, k, v, k_cache, v_cache, table, lens = make_case(4, 3, 3, 64, [4096, 1, 17, 2048], 32)
+    used = []
+    real = kernels.reference.split_decode
+    monkeypatch.setattr(kernels.reference, "split_decode", lambda *a, **kw: used.append(a[5]) or real(*a, **kw))
+    out = kernels.flash_decode(q, k_cache, v_cache, table, lens, workspace=ws)
+    assert used == [ws.num_splits(4)]
+    assert (out.double() - dense_attention_f64(q, k, v, lens, 0.125)).abs().max().item() <= 1e-5
+
+
+def test_workspace_requires_num_kv_heads():
+    with pytest.raises(TypeError, match="num_kv_heads"):
+        kernels.Workspace(4, 9, 64, 4096, "cpu")
+
+
+# A call of 9 query heads over 3 KV heads, head_dim 64, a block table reaching 4096 tokens, and
+# workspaces that differ from it in one value each.
+MISFITS = {
+    "num_kv_heads": (dict(num_q_heads=9, head_dim=64, max_seq_len=4096, num_kv_heads=9), "num_kv_heads 9.*num_kv_heads 3"),
+    "num_q_heads": (dict(num_q_heads=6, head_dim=64, max_seq_len=4096, num_kv_heads=3), "num_q_heads 6.*num_q_heads 9"),
+    "head_dim": (dict(num_q_heads=9, head_dim=128, max_seq_len=4096, num_kv_heads=3), "head_dim 128.*head_dim 64"),
+    "longest sequence": (dict(num_q_heads=9, head_dim=64, max_seq_len=2048, num_kv_heads=3), "2048 tokens.*4096"),
+}
+
+
+@pytest.mark.parametrize("misfit", MISFITS)
+def test_a_workspace_that_does_not_fit_the_call_is_refused(misfit):
+    fields, message = MISFITS[misfit]
+    ws = kernels.Workspace(4, device="cpu", **fields)
+    q, k, v, k_cache, v_cache, table, lens = make_case(2, 3, 3, 64, [4096, 100], 32)
+    with pytest.raises(ValueError, match=message):
+        kernels.flash_decode(q, k_cache, v_cache, table, lens, workspace=ws)
+
+
+def test_a_workspace_fits_a_table_rounded_up_to_whole_blocks():
+    ws = kernels.Workspace(2, 9, 64, 1000, "cpu", num_kv_heads=3)   # 1000 tokens: 32 blocks of 32 reach 1024
+    q, k, v, k_cache, v_cache, table, lens = make_case(2, 3, 3, 64, [1000, 5], 32)
     out = kernels.flash_decode(q, k_cache, v_cache, table, lens, workspace=ws)
     assert (out.double() - dense_attention_f64(q, k, v, lens, 0.125)).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="batch 3 outside"):
+        kernels.flash_decode(*[torch.cat([t, t[:1]]) for t in (q,)], k_cache, v_cache,
+                             torch.cat([table, table[:1]]), torch.cat([lens, lens[:1]]), workspace=ws)
 
 
 def test_bf16_inputs_accumulate_in_fp32():
     q, k, v, k_cache, v_cache, table, lens = make_case(2, 2, 4, 128, [999, 1000], BLOCK, dtype=torch.bfloat16)
-    out = kernels.reference_decode(q, k_cache, v_cache, table, lens, num_splits=7)
+    out = split_decode(q, k_cache, v_cache, table, lens, 7)
     ref = dense_attention_f64(q, k, v, lens, 128 ** -0.5)
     assert out.dtype == torch.bfloat16
     assert (out.double() - ref).abs().max().item() <= 2 ** -7   # one bf16 rounding of |out| < 1

@@ -23,14 +23,11 @@ void check_cuda(const at::Tensor& t, const char* name, const at::Device& device)
 
 at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t num_splits,
-                        at::Tensor& partial_out, at::Tensor& partial_lse, at::Tensor& merge_counters,
-                        int64_t merge_mode, int64_t min_chunk, bool spread, int64_t ring_stages,
-                        int64_t copy_rows, bool read_ahead, int64_t warp_tokens, bool merge_one_trip,
-                        int64_t ahead_tiles) {
+                        bool three_per_sm, at::Tensor& partial_out, at::Tensor& partial_lse, bool read_ahead) {
   const auto device = q.device();
-  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_table, "block_table"},
-                         {&seq_lens, "seq_lens"}, {&partial_out, "partial_out"}, {&partial_lse, "partial_lse"},
-                         {&merge_counters, "merge_counters"}})
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"},
+                         {&block_table, "block_table"}, {&seq_lens, "seq_lens"}, {&partial_out, "partial_out"},
+                         {&partial_lse, "partial_lse"}})
     check_cuda(*t, name, device);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with a contiguous last dim");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, "q must be bf16 or fp16");
@@ -40,10 +37,10 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "caches must have q's dtype");
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(1), bs = k_cache.size(2);
-  TORCH_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128, got ", d);
+  TORCH_CHECK(supported_head_dim(d), "head_dim must be ", kHeadDims[0], " or ", kHeadDims[1], ", got ", d);
   TORCH_CHECK(k_cache.size(3) == d, "cache head_dim ", k_cache.size(3), " != q head_dim ", d);
   TORCH_CHECK(hkv >= 1 && hq % hkv == 0, "num_q_heads ", hq, " is not a multiple of num_kv_heads ", hkv);
-  TORCH_CHECK(bs % 16 == 0 && (128 % bs == 0 || bs % 128 == 0), "unsupported block_size ", bs);
+  TORCH_CHECK(supported_block_size(bs), "unsupported block_size ", bs);
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.size(0) == batch &&
                   block_table.stride(1) == 1,
               "block_table must be int32 [B, max_blocks] with unit column stride");
@@ -51,10 +48,12 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                   seq_lens.is_contiguous(),
               "seq_lens must be int32 [B]");
   TORCH_CHECK(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits must be in 1..", kMaxSplits);
+  TORCH_CHECK(!three_per_sm || (num_splits == 2 && d == kWideWarpHeadDim && hq / hkv <= kWideWarpMaxGroup),
+              "the three-per-SM plan is two splits at head_dim ", kWideWarpHeadDim, " with at most ", kWideWarpMaxGroup,
+              " query heads per KV head");
   TORCH_CHECK(q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0 && aligned16(q) && aligned16(k_cache) &&
                   aligned16(v_cache),
               "q and the caches must be 16-byte aligned");
-  const int64_t head_tiles = (hq / hkv + kHeadsPerBlock - 1) / kHeadsPerBlock;
   if (num_splits > 1) {
     TORCH_CHECK(partial_out.scalar_type() == at::kFloat && partial_out.is_contiguous() &&
                     partial_out.dim() == 3 && partial_out.size(1) == hq && partial_out.size(2) == d &&
@@ -63,23 +62,7 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     TORCH_CHECK(partial_lse.scalar_type() == at::kFloat && partial_lse.is_contiguous() &&
                     partial_lse.numel() >= batch * num_splits * hq,
                 "partial_lse must be float32 [>= B * num_splits, Hq]");
-    TORCH_CHECK(merge_counters.scalar_type() == at::kInt && merge_counters.is_contiguous() &&
-                    merge_counters.numel() >= batch * hkv * head_tiles,
-                "merge_counters must be int32 with >= B * Hkv * ceil(G / 16) zeros");
   }
-  TORCH_CHECK(merge_mode >= 0 && merge_mode < kMergeModes, "merge_mode must be in 0..", kMergeModes - 1);
-  TORCH_CHECK(min_chunk >= 1 && min_chunk <= (1 << 30), "min_chunk must be positive");
-  TORCH_CHECK(ring_stages >= 0 && ring_stages <= kMaxRingStages, "ring_stages must be in 0..", kMaxRingStages,
-              " (0: the launcher's choice)");
-  TORCH_CHECK(ahead_tiles >= 0 && ahead_tiles <= kMaxRingStages, "ahead_tiles must be in 0..", kMaxRingStages,
-              " (0: the launcher's choice), got ", ahead_tiles);
-  const int64_t tile = tile_tokens(static_cast<int>(d)), copy_span = bs < tile ? bs : tile;
-  TORCH_CHECK(copy_rows == 0 || (copy_rows > 0 && copy_rows % 8 == 0 && copy_span % copy_rows == 0),
-              "copy_rows must be 0 (the launcher's choice) or a multiple of 8 dividing ", copy_span, ", got ", copy_rows);
-
-  TORCH_CHECK(warp_tokens == 0 || warp_tokens == 16 || (warp_tokens == 32 && d == 64 && hq / hkv <= 8),
-              "warp_tokens must be 0 (the launcher's choice), 16, or 32 at head_dim 64 with at most 8 query heads "
-              "per KV head, got ", warp_tokens);
 
   c10::cuda::CUDAGuard guard(device);
   at::Tensor out = at::empty({batch, hq, d}, q.options());
@@ -95,7 +78,6 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   p.out = out.data_ptr();
   p.partial_out = partial_out.data_ptr<float>();
   p.partial_lse = partial_lse.data_ptr<float>();
-  p.merge_counters = merge_counters.data_ptr<int32_t>();
   p.batch = static_cast<int>(batch);
   p.num_q_heads = static_cast<int>(hq);
   p.num_kv_heads = static_cast<int>(hkv);
@@ -106,15 +88,8 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   p.num_splits = static_cast<int>(num_splits);
   p.scale = static_cast<float>(scale);
   p.dtype = q.scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kHalf;
-  p.merge_mode = static_cast<int>(merge_mode);
-  p.min_chunk = static_cast<int>(min_chunk);
-  p.spread = spread;
-  p.ring_stages = static_cast<int>(ring_stages);
-  p.copy_rows = static_cast<int>(copy_rows);
+  p.three_per_sm = three_per_sm;
   p.read_ahead = read_ahead;
-  p.warp_tokens = static_cast<int>(warp_tokens);
-  p.merge_one_trip = merge_one_trip;
-  p.ahead_tiles = static_cast<int>(ahead_tiles);
   const cudaError_t err = launch_flash_decode(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_decode launch failed: ", cudaGetErrorString(err));
   return out;
@@ -303,24 +278,14 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   TORCH_CHECK(err == cudaSuccess, "rope_write_kv launch failed: ", cudaGetErrorString(err));
 }
 
-#ifdef FLASHDECODE_TIMELINE
-at::Tensor timeline_stamps(bool reset) {
-  at::Tensor out = at::empty({kTimelineBlocks, kTimelineStamps}, at::TensorOptions().dtype(at::kLong));
-  const cudaError_t err = flashdecode::read_timeline(out.data_ptr<int64_t>(), reset);
-  TORCH_CHECK(err == cudaSuccess, "read_timeline failed: ", cudaGetErrorString(err));
-  return out;
-}
-#endif
-
 }  // namespace
 }  // namespace flashdecode
 
 TORCH_LIBRARY(flashdecode, m) {
   m.def(
       "flash_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
-      "int num_splits, Tensor(a!) partial_out, Tensor(b!) partial_lse, Tensor(c!) merge_counters, "
-      "int merge_mode=7, int min_chunk=256, bool spread=False, int ring_stages=0, int copy_rows=0, "
-      "bool read_ahead=True, int warp_tokens=0, bool merge_one_trip=True, int ahead_tiles=0) -> Tensor");
+      "int num_splits, bool three_per_sm, Tensor(a!) partial_out, Tensor(b!) partial_lse, bool read_ahead=True) "
+      "-> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
@@ -329,9 +294,6 @@ TORCH_LIBRARY(flashdecode, m) {
   m.def(
       "rope_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor slot_mapping, int num_q_heads) -> ()");
-#ifdef FLASHDECODE_TIMELINE
-  m.def("read_timeline(bool reset) -> Tensor", &flashdecode::timeline_stamps);
-#endif
 }
 
 TORCH_LIBRARY_IMPL(flashdecode, CUDA, m) {

@@ -1,29 +1,55 @@
 // Plain-C++ interface between the torch binding (binding.cpp) and the CUDA kernels
-// (flash_decode.cu), so that the .cu needs no torch headers and compiles quickly.
+// (flash_decode.cu, write_kv.cu), so that the .cu files need no torch headers and compile quickly.
 #pragma once
 
 #include <cstdint>
 #include <cuda_runtime.h>
 
+// The numbers Python shares with these sources are defined in kernels/constants.py alone;
+// kernels/build.py passes them as -D defines.
+#if !defined(FLASHDECODE_HEAD_DIMS_0) || !defined(FLASHDECODE_HEAD_DIMS_1) || !defined(FLASHDECODE_WIDE_WARP_HEAD_DIM) || !defined(FLASHDECODE_HEADS_PER_BLOCK) || !defined(FLASHDECODE_MAX_SPLITS) || !defined(FLASHDECODE_MIN_CHUNK) || \
+    !defined(FLASHDECODE_TILE_ELEMENTS) || !defined(FLASHDECODE_WIDE_WARP_MAX_GROUP) ||                          \
+    !defined(FLASHDECODE_BLOCKS_PER_SM) || !defined(FLASHDECODE_WIDE_BLOCKS_PER_SM) ||                            \
+    !defined(FLASHDECODE_BLOCK_SIZE_GRANULE) || !defined(FLASHDECODE_BLOCK_SIZE_PERIOD)
+#error "build through kernels/build.py: it defines the constants of kernels/constants.py (nvcc_defines())"
+#endif
+
 namespace flashdecode {
 
-enum class DType : int { kBFloat16 = 0, kHalf = 1 };
+// The head_dims the launcher instantiates kernels for (launch_flash_decode).
+constexpr int kHeadDims[] = {FLASHDECODE_HEAD_DIMS_0, FLASHDECODE_HEAD_DIMS_1};
+static_assert(kHeadDims[0] == 64 && kHeadDims[1] == 128,
+              "launch_flash_decode instantiates head_dim 64 and 128");
+constexpr bool supported_head_dim(int64_t head_dim) { return head_dim == kHeadDims[0] || head_dim == kHeadDims[1]; }
+// Query heads one thread block serves (the MMA's M); larger GQA groups take several blocks.
+constexpr int kHeadsPerBlock = FLASHDECODE_HEADS_PER_BLOCK;
+// Largest split count a launch accepts (bounds the merge's shared memory).
+constexpr int kMaxSplits = FLASHDECODE_MAX_SPLITS;
+// Fewest tokens a non-empty split gets (then rounded up to a whole tile).
+constexpr int kMinChunk = FLASHDECODE_MIN_CHUNK;
+// Groups of at most this many query heads per KV head run four consumer warps of 32 tokens at
+// head_dim 64 (larger groups keep eight of 16, which hold the padding rows' softmax state).
+constexpr int kWideWarpHeadDim = FLASHDECODE_WIDE_WARP_HEAD_DIM;
+constexpr int kWideWarpMaxGroup = FLASHDECODE_WIDE_WARP_MAX_GROUP;
+static_assert(kWideWarpHeadDim == 64, "the four-warp layout is instantiated at head_dim 64");
+// Split blocks resident per SM: two, or three in the three-per-SM plan.
+constexpr int kBlocksPerSm = FLASHDECODE_BLOCKS_PER_SM;
+constexpr int kWideBlocksPerSm = FLASHDECODE_WIDE_BLOCKS_PER_SM;
+// A cache block holds a multiple of kBlockSizeGranule tokens and divides, or is a multiple of,
+// kBlockSizePeriod (the largest tile), so that no bulk copy crosses a page.
+constexpr int kBlockSizeGranule = FLASHDECODE_BLOCK_SIZE_GRANULE;
+constexpr int kBlockSizePeriod = FLASHDECODE_BLOCK_SIZE_PERIOD;
+// Tokens of one K/V tile (a 32 KB pipeline stage of K and V): 128 at head_dim 64, 64 at 128.
+__host__ __device__ constexpr int tile_tokens(int head_dim) { return FLASHDECODE_TILE_ELEMENTS / head_dim; }
+static_assert(tile_tokens(64) == kBlockSizePeriod, "the largest tile is the block-size period");
+static_assert(kMinChunk % tile_tokens(64) == 0, "a minimal split is whole tiles");
 
-// How split partials become the output when num_splits > 1.
-enum MergeMode : int {
-  kMergeLastBlock = 0,    // the last split block of each (sequence, KV head) merges, same launch
-  kMergeKernel = 1,       // a second, small kernel
-  kMergeKernelPdl = 2,    // the second kernel with programmatic dependent launch
-  kMergePdlChain = 3,     // as 2, and the split kernel itself a PDL dependent of what precedes it
-  kMergePdlLate = 4,      // as 3, but the next grid is let in only once this call's KV reads are done
-  kMergeCluster = 5,      // the splits of a (sequence, head group) form a thread-block cluster and
-                          // merge through distributed shared memory, in one launch (else as 2)
-  kMergeClusterPdl = 6,   // as 5, launched as a PDL dependent with the late trigger of 4 (else as 4)
-  kMergeAuto = 7,         // by the grid, as measured best on the H200 (launch_typed in flash_decode.cu)
-  kMergePdlLoads = 8,     // as 4, but a one-split grid lets the next grid in once its last loads are issued
-  kMergeClusterPdlLoads = 9,  // as 6, but a cluster or one-split grid lets the next in once its loads are
-                              // issued (else as 3)
-};
+constexpr bool supported_block_size(int64_t block_size) {
+  return block_size > 0 && block_size % kBlockSizeGranule == 0 &&
+         (kBlockSizePeriod % block_size == 0 || block_size % kBlockSizePeriod == 0);
+}
+
+enum class DType : int { kBFloat16 = 0, kHalf = 1 };
 
 struct DecodeParams {
   const void* q;                  // [B, Hq, D]; last dim contiguous, strides in elements
@@ -36,35 +62,25 @@ struct DecodeParams {
   void* out;                      // [B, Hq, D] contiguous
   float* partial_out;             // [>= B * num_splits, Hq, D]
   float* partial_lse;             // [>= B * num_splits, Hq]
-  int32_t* merge_counters;        // [>= B * Hkv * ceil(G / 16)], all zero between calls
   int batch, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, num_blocks, num_splits;
-  int min_chunk;                  // fewest tokens a non-empty split gets (then rounded up to a tile)
   float scale;
   DType dtype;
-  int merge_mode;
-  bool spread;                    // a grid of at most one block per SM asks for enough shared
-                                  // memory that no SM can take two of its blocks (cluster grids too;
-                                  // without spread their blocks may share SMs)
-  int ring_stages;                // K/V tiles in flight per block, 1..kMaxRingStages; 0: the launcher's
-                                  // choice (3; 2 in the three-per-SM plan). More than 3 only for
-                                  // spread or cluster grids.
-  int copy_rows;                  // cache rows per bulk copy in a block of at least kCopyRowsMinTiles
-                                  // tiles (shorter blocks copy whole pages, or whole tiles of larger
-                                  // ones): a multiple of 8 dividing the page and the tile (128 rows at
-                                  // D=64, 64 at D=128); 0: the launcher's choice
-  int warp_tokens;                // tokens of a tile per consumer warp: 16, or 32 at head_dim 64 with groups
-                                  // of <= 8 query heads (half the consumer warps, each over twice the
-                                  // tokens); 0: the launcher's choice, 32 where allowed
-  bool merge_one_trip;            // the merge kernel's row in one round trip to memory where that pays
-                                  // (16-64 splits at head_dim 64, 16-32 at 128); false: two always
-  int ahead_tiles;                // with read_ahead (else unused): K/V tiles asked for before the
-                                  // predecessor has finished, at most the ring's depth; 0: the launcher's
-                                  // choice (kReadAheadTiles). A ring deeper than that has a stage to
-                                  // refill the moment it finishes
+  bool three_per_sm;              // the planner's three-per-SM plan (kernels/planner.py): two splits of
+                                  // four-warp blocks, three per SM, merging in a cluster
   bool read_ahead;                // seq_lens, block_table and the cache's rows before seq_len - 1 are
                                   // read before the kernels ahead in the stream have finished: none
                                   // that may still run may write them (q and row seq_len - 1 they
                                   // may); q is read, and every output written, after they finish
+
+  // Chosen per grid by the launcher (launch_typed in flash_decode.cu); callers leave them.
+  int ring_stages;                // K/V tiles in flight per block
+  int copy_rows;                  // cache rows per bulk copy in a block of at least kCopyRowsMinTiles tiles
+  bool cluster;                   // the splits of a (sequence, head group) form a cluster and merge in
+                                  // the leader's shared memory
+  bool trigger_at_loads;          // a split block lets the next grid in once its last loads are issued
+                                  // (else at entry)
+  bool merge_waits_first;         // the merge kernel lets the next grid in only once this split grid
+                                  // has finished (else at entry)
 };
 
 struct WriteKvParams {
@@ -80,33 +96,7 @@ struct WriteKvParams {
   int row_bytes;                  // D * element size, a multiple of 16
 };
 
-// Merge modes 0..kMergeModes - 1 exist.
-constexpr int kMergeModes = 10;
-// Tokens of one K/V tile (a 32 KB pipeline stage of K and V): 128 at head_dim 64, 64 at 128.
-constexpr int tile_tokens(int head_dim) { return 8192 / head_dim; }
-// Blocks of fewer tiles than this copy whole pages whatever copy_rows says (measured: NOTES.md).
-constexpr int kCopyRowsMinTiles = 8;
-// Tiles a split block reads ahead by default (capped by its ring): the default ring of three keeps
-// a stage free, so that the producer asks for a tile the moment the predecessor finishes
-// (measured: NOTES.md).
-constexpr int kReadAheadTiles = 2;
-// Deepest ring of K/V stages a block may ask for (deeper than 3 only where it is alone on its SM).
-constexpr int kMaxRingStages = 6;
-// Largest split count a launch accepts (bounds the merge's shared memory).
-constexpr int kMaxSplits = 256;
-// Most splits one cluster merge serves (a non-portable cluster size on Hopper); more use the kernel.
-constexpr int kMaxClusterSplits = 16;
-// Query heads one thread block serves (the MMA's M); larger GQA groups take several blocks.
-constexpr int kHeadsPerBlock = 16;
-
 cudaError_t launch_flash_decode(const DecodeParams& params, cudaStream_t stream);
-
-#ifdef FLASHDECODE_TIMELINE
-// Diagnostic build only (python -m kernels.timeline): per-block clock stamps of the last call.
-constexpr int kTimelineBlocks = 4096;
-constexpr int kTimelineStamps = 16;
-cudaError_t read_timeline(int64_t* host, bool reset);
-#endif
 cudaError_t launch_write_kv(const WriteKvParams& params, cudaStream_t stream);
 
 }  // namespace flashdecode

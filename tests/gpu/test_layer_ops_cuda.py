@@ -160,16 +160,16 @@ RAW_OP_ERRORS = {
                                  "i32 = dict(device='cuda', dtype=torch.int32)\n"
                                  "po = torch.empty(4, 4, 96, device='cuda'); pl = torch.empty(4, 4, device='cuda')\n"
                                  "call = lambda: torch.ops.flashdecode.flash_decode(q, kc, kc, torch.tensor([[0, 1]], **i32), "
-                                 "torch.tensor([20], **i32), 0.1, 1, po, pl, torch.zeros(4, **i32))\n",
+                                 "torch.tensor([20], **i32), 0.1, 1, False, po, pl)\n",
                                  "head_dim must be 64 or 128, got 96"),
-    "flash-decode-wide-warps-for-a-group-of-9": (
+    "flash-decode-three-per-sm-for-a-group-of-9": (
         "q = torch.randn(1, 18, 64, device='cuda', dtype=torch.bfloat16)\n"
         "kc = torch.randn(2, 2, 16, 64, device='cuda', dtype=torch.bfloat16)\n"
         "i32 = dict(device='cuda', dtype=torch.int32)\n"
         "po = torch.empty(4, 18, 64, device='cuda'); pl = torch.empty(4, 18, device='cuda')\n"
         "call = lambda: torch.ops.flashdecode.flash_decode(q, kc, kc, torch.tensor([[0, 1]], **i32), "
-        "torch.tensor([20], **i32), 0.1, 1, po, pl, torch.zeros(4, **i32), warp_tokens=32)\n",
-        "warp_tokens must be"),
+        "torch.tensor([20], **i32), 0.1, 2, True, po, pl)\n",
+        "the three-per-SM plan is two splits at head_dim 64 with at most 8"),
     "gemv-too-many-rows": ("x = torch.randn(5, 64, device='cuda', dtype=torch.bfloat16)\n"
                            "w = torch.randn(32, 64, device='cuda', dtype=torch.bfloat16)\n"
                            "call = lambda: torch.ops.flashdecode.gemv(x, w, False)\n", "at most"),

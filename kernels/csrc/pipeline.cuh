@@ -1,0 +1,247 @@
+// The split kernel's pipeline: a producer warp streams a split's K/V tiles from the paged cache
+// into a ring of shared-memory stages (one cp.async.bulk per page and lane, mbarriers guarding
+// each stage), and the consumer warps run S = Q K^T and O += P V on the tensor cores with an
+// online softmax per warp.
+//
+// Fragment trick: reading K and V rows with one 16-byte load per thread avoids ldmatrix bank
+// conflicts on the unpadded tiles. The head dimension is the reduction of S = Q K^T, so K's
+// elements may be fed to the MMA in any order that Q's fragments follow as well; for P V the
+// head dimension is the output column, so V's 8x8 pieces are transposed with movmatrix and the
+// output columns land in a known permutation (each thread ends up owning 8 contiguous columns).
+#pragma once
+
+#include "common.cuh"
+
+namespace flashdecode {
+namespace {
+
+constexpr int kStageBytes = 32 * 1024;             // one tile of K and V
+constexpr int kStages = 3;                         // 96 KB: two blocks per SM
+constexpr int kMinStages = 2;                      // the shared memory of the epilogue and the merge
+// Blocks of fewer tiles than this copy whole pages whatever copy_rows says (measured: docs/log.md).
+constexpr int kCopyRowsMinTiles = 8;
+// Tiles a split block reads ahead (capped by its ring): the ring of three keeps a stage free, so
+// that the producer asks for a tile the moment the predecessor finishes (measured: docs/log.md).
+constexpr int kReadAheadTiles = 2;
+
+// A tile is 32 KB of K+V: 128 tokens for D=64, 64 for D=128. A consumer warp owns W of its tokens:
+// D=64 has 4 consumer warps of 32 (8 of 16 for groups of more than eight heads), D=128 4 of 16.
+template <int D, int W>
+struct Shape {
+  static_assert(W == 16 || W == 32, "a consumer warp owns 16 or 32 tokens of a tile");
+  static constexpr int kTile = tile_tokens(D);                   // tokens per pipeline stage
+  static constexpr int kConsumerWarps = kTile / W;
+  static constexpr int kProducerWarp = kConsumerWarps;
+  static constexpr int kThreads = (kConsumerWarps + 1) * 32;
+  static_assert(2 * kTile * D * 2 == kStageBytes, "a tile of K and V fills one stage");
+  static constexpr int kSmemBytes = kMinStages * kStageBytes;    // the least a block holds
+  // Two blocks per SM; three of the four-warp ones, with rings of two stages (which caps them at
+  // 128 registers: some scheduler then holds four of their warps).
+  static constexpr int kMinBlocks = W == 32 ? 3 : 2;
+  static constexpr int kGroups = D / 32;                         // 16-byte loads per row per thread
+  static constexpr int kOStride = D + 4;                         // padded fp32 row, epilogue
+  static_assert(kConsumerWarps * kRows * kOStride * 4 <= kSmemBytes, "epilogue does not fit");
+  static_assert(kRows * kMaxSplits * 4 + kThreads * 16 <= kSmemBytes, "merge does not fit");
+  static constexpr int kSpreadSmemBytes = 160 * 1024;              // over half an SM's 228 KB
+};
+
+// The next tile's place in the ring of shared-memory stages: its stage, and how often the ring
+// has wrapped (the parity of the stage's barrier phase).
+struct RingSlot {
+  int stages, stage = 0, round = 0;
+  __device__ __forceinline__ explicit RingSlot(int n) : stages(n) {}
+  __device__ __forceinline__ void advance() {
+    if (++stage == stages) stage = 0, ++round;
+  }
+};
+
+template <typename T, int D>
+__device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
+                                        T* stages, uint64_t* full, uint64_t* empty) {
+  constexpr int kTile = tile_tokens(D);
+  const int lane = threadIdx.x % 32;
+  const int bs = p.block_size;
+  // A tile is fetched in kTile / copy_rows bulk copies per K and V, one per lane; copy_rows
+  // divides both the page and the tile, so no copy crosses a page.
+  const int copy_rows = n_tiles >= kCopyRowsMinTiles ? p.copy_rows : min(bs, kTile);
+  const int copies = kTile / copy_rows;
+  const int pages = (w.len + bs - 1) / bs;
+  const int32_t* table = p.block_table + (int64_t)w.b * p.block_table_stride;
+  const int64_t block_elems = (int64_t)p.num_kv_heads * bs * D;
+  const int64_t head_elems = (int64_t)w.kv_head * bs * D;
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+
+  // Block ids of pages [base, base + 64), one per lane in cur and next; 0 past the last page. A
+  // tile's pages never straddle base + 32 (a tile is a whole number of pages, or part of one, and
+  // starts on a tile boundary), so a tile reads cur alone: next is in long before it is needed.
+  int base = w.start / bs;
+  auto fetch = [&](int page) { return page < pages ? __ldg(table + page) : 0; };
+  int cur = fetch(base + lane), next = fetch(base + 32 + lane);
+  // With read_ahead, the first tiles are asked for before the predecessor has finished: every one
+  // but a tile holding row len - 1, which the predecessor may still be writing.
+  const int fill = min(kReadAheadTiles, slot.stages);
+  const int ahead = p.read_ahead ? min(fill, n_tiles - (w.end == w.len ? 1 : 0)) : 0;
+  for (int i = 0; i < n_tiles; ++i, slot.advance()) {
+    if (i == ahead) pdl_wait();
+    const int stage = slot.stage;
+    if (i >= slot.stages) mbar_wait(&empty[stage], (slot.round - 1) & 1);
+    const int t0 = w.start + i * kTile;
+    const int page0 = t0 / bs;
+    if (page0 - base >= 32) {
+      base += 32;
+      cur = next;
+      next = fetch(base + 32 + lane);
+    }
+    const int first_token = t0 + lane * copy_rows;
+    const int page = first_token / bs;
+    const int block = min(max(__shfl_sync(0xffffffffu, cur, (page - base) & 31), 0), p.num_blocks - 1);
+    const int rows = lane < copies ? max(0, min(copy_rows, w.len - first_token)) : 0;
+    const uint32_t bytes = rows * D * (uint32_t)sizeof(T);
+    const uint32_t stage_bytes = 2 * __reduce_add_sync(0xffffffffu, bytes);
+    if (lane == 0) mbar_arrive_expect_tx(&full[stage], stage_bytes);
+    __syncwarp();
+    if (rows > 0) {
+      const int64_t src = block * block_elems + head_elems + (int64_t)(first_token - page * bs) * D;
+      T* k_dst = stages + (int64_t)stage * 2 * kTile * D + lane * copy_rows * D;
+      bulk_load(k_dst, k_cache + src, bytes, &full[stage]);
+      bulk_load(k_dst + kTile * D, v_cache + src, bytes, &full[stage]);
+    }
+  }
+  if (ahead >= n_tiles) pdl_wait();  // all read ahead; the epilogue writes
+  if (p.trigger_at_loads) pdl_trigger();
+}
+
+// Online softmax for one row of this thread's tokens (its N scores x, log2 domain): the row's
+// running max m and sum l move on, the scores become their exponentials, and the factor that
+// rescales what was accumulated before is returned.
+template <int N>
+__device__ __forceinline__ float softmax_step(float& m, float& l, float (&x)[N]) {
+  float mx = fmaxf(x[0], x[1]);
+#pragma unroll
+  for (int k = 2; k < N; k += 2) mx = fmaxf(mx, fmaxf(x[k], x[k + 1]));
+  const float new_m = fmaxf(m, quad_max(mx));
+  const float base = new_m == kNegInf ? 0.f : new_m;
+  const float alpha = exp2_approx(m - base);
+  m = new_m;
+  float acc = l * alpha;
+#pragma unroll
+  for (int k = 0; k < N; k += 2) {
+    x[k] = exp2_approx(x[k] - base);
+    x[k + 1] = exp2_approx(x[k + 1] - base);
+    acc = acc + (x[k] + x[k + 1]);
+  }
+  l = acc;
+  return alpha;
+}
+
+// One consumer warp's pass over the split: online softmax state (m, l) per query-head row
+// (this thread's rows r and r + 8) and the output fragments o, unnormalised. The warp owns W
+// tokens of each tile, in pieces of 8 (h); P V takes them 16 at a time (kk). Without kHi the
+// block serves at most eight query heads: rows r + 8 are padding and get no softmax work.
+template <typename T, int D, int W, bool kHi>
+__device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
+                                        const T* stages,
+                                        uint64_t* full, uint64_t* empty, float (&o)[D / 32][4][4], float& m_lo,
+                                        float& m_hi, float& l_lo, float& l_hi) {
+  using S = Shape<D, W>;
+  constexpr int kTile = S::kTile, kPieces = W / 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = lane / 4, qd = lane % 4;
+  const T* q = static_cast<const T*>(p.q) + w.b * p.q_stride_b;
+  const uint4 zero{0, 0, 0, 0};
+  uint4 q_lo[S::kGroups], q_hi[S::kGroups];
+#pragma unroll
+  for (int j = 0; j < S::kGroups; ++j) {
+    const int col = 32 * j + 8 * qd;
+    q_lo[j] = r < w.rows ? __ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r) * p.q_stride_h + col)) : zero;
+    q_hi[j] = kHi && r + 8 < w.rows
+                  ? __ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r + 8) * p.q_stride_h + col))
+                  : zero;
+  }
+  const float scale_log2 = p.scale * kLog2e;
+
+  for (int i = 0; i < n_tiles; ++i, slot.advance()) {
+    const int stage = slot.stage;
+    const int t_warp = w.start + i * kTile + warp * W;
+    mbar_wait(&full[stage], slot.round & 1);
+    const T* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * W * D;
+    const T* v_tile = k_tile + kTile * D;
+    if (t_warp >= w.end) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[stage]);
+      continue;
+    }
+    float s[kPieces][4];
+#pragma unroll
+    for (int h = 0; h < kPieces; ++h) {
+      s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
+#pragma unroll
+      for (int j = 0; j < S::kGroups; ++j) {
+        const uint4 k = *reinterpret_cast<const uint4*>(k_tile + (8 * h + r) * D + 32 * j + 8 * qd);
+        Elem<T>::mma(s[h], q_lo[j].x, q_hi[j].x, q_lo[j].y, q_hi[j].y, k.x, k.y);
+        Elem<T>::mma(s[h], q_lo[j].z, q_hi[j].z, q_lo[j].w, q_hi[j].w, k.z, k.w);
+      }
+    }
+    uint4 v[kPieces][S::kGroups];
+#pragma unroll
+    for (int h = 0; h < kPieces; ++h)
+#pragma unroll
+      for (int j = 0; j < S::kGroups; ++j)
+        v[h][j] = *reinterpret_cast<const uint4*>(v_tile + (8 * h + r) * D + 32 * j + 8 * qd);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[stage]);
+
+#pragma unroll
+    for (int h = 0; h < kPieces; ++h)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[h][c] *= scale_log2;
+    if (t_warp + W > w.end) {  // the sequence ends inside this warp's tokens
+#pragma unroll
+      for (int h = 0; h < kPieces; ++h) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (t_warp + 8 * h + 2 * qd + (c & 1) >= w.end) s[h][c] = kNegInf;
+        if (t_warp + 8 * h + r >= w.end)  // rows past the end may hold anything, NaN included
+#pragma unroll
+          for (int j = 0; j < S::kGroups; ++j) v[h][j] = zero;
+      }
+    }
+    float lo[2 * kPieces], hi[2 * kPieces];  // row r's scores, then row r + 8's
+#pragma unroll
+    for (int h = 0; h < kPieces; ++h) {
+      lo[2 * h] = s[h][0], lo[2 * h + 1] = s[h][1];
+      hi[2 * h] = s[h][2], hi[2 * h + 1] = s[h][3];
+    }
+    const float alpha_lo = softmax_step(m_lo, l_lo, lo);
+    const float alpha_hi = kHi ? softmax_step(m_hi, l_hi, hi) : 1.f;
+    uint32_t pa[W / 16][4];  // P as the A fragments of each 16 tokens
+#pragma unroll
+    for (int kk = 0; kk < W / 16; ++kk) {
+      pa[kk][0] = Elem<T>::pack(lo[4 * kk], lo[4 * kk + 1]);
+      pa[kk][1] = kHi ? Elem<T>::pack(hi[4 * kk], hi[4 * kk + 1]) : 0;
+      pa[kk][2] = Elem<T>::pack(lo[4 * kk + 2], lo[4 * kk + 3]);
+      pa[kk][3] = kHi ? Elem<T>::pack(hi[4 * kk + 2], hi[4 * kk + 3]) : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < S::kGroups; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        o[j][c][0] *= alpha_lo;
+        o[j][c][1] *= alpha_lo;
+        if constexpr (kHi) {
+          o[j][c][2] *= alpha_hi;
+          o[j][c][3] *= alpha_hi;
+        }
+#pragma unroll
+        for (int kk = 0; kk < W / 16; ++kk)
+          Elem<T>::mma(o[j][c], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3],
+                       transpose8x8(word(v[2 * kk][j], c)), transpose8x8(word(v[2 * kk + 1][j], c)));
+      }
+  }
+  l_lo = quad_sum(l_lo);
+  l_hi = quad_sum(l_hi);
+}
+
+}  // namespace
+}  // namespace flashdecode
