@@ -75,8 +75,7 @@ def run_hf(model, prompts, new_tokens: int, mode: str) -> float:
 
 def interleaved(runners: dict, repeats: int) -> dict:
     """Seconds of each run of each runner, taking turns so drifting machine load hits all alike. Each
-    run starts from a collected, frozen heap, so the objects an earlier run left behind (a
-    compile's, say) do not slow its garbage collections; the heap is unfrozen after it."""
+    run starts from a collected, frozen heap, so the objects an earlier run left behind do not slow its garbage collections; the heap is unfrozen after it."""
     samples = {name: [] for name in runners}
     for _ in range(repeats):
         for name, fn in runners.items():
@@ -112,22 +111,14 @@ def main(argv=None):
                     help="KV cache block size; several: one engine each, interleaved in every case (ours_bsN "
                          "columns for all but the first), with pools of equal tokens (--num-blocks counts blocks "
                          "of the first size; without it, room for every case)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--prefill-graph-buckets", type=int, nargs="*", default=None,
                     help="token buckets of prefill graphs (none given: off; default: the engine's)")
-    ap.add_argument("--merge-mode", type=int, default=None,
-                    help="the attention kernel's launch plan (kernels.ops.MERGE_*), to compare plans")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if len(set(args.block_size)) != len(args.block_size):
         ap.error("--block-size: each size once")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.merge_mode is not None:
-        from kernels import ops
-        if args.merge_mode not in ops.MERGE_MODES:
-            ap.error(f"--merge-mode must be one of {ops.MERGE_MODES}")
-        ops.DEFAULT_MERGE = args.merge_mode
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     device = loaded.device
@@ -148,7 +139,7 @@ def main(argv=None):
                               max_prefill_tokens=8192,
                               num_blocks=None if pool_tokens is None else -(-pool_tokens // block_size),
                               gpu_memory_fraction=0.45 if args.hf else 0.8,
-                              compile=args.compile, cuda_graphs=not args.no_graphs,
+                              cuda_graphs=not args.no_graphs,
                               prefill_graph_buckets=None if args.prefill_graph_buckets is None
                               else tuple(args.prefill_graph_buckets), block_size=block_size)
         name = "ours" if not engines else f"ours_bs{block_size}"
@@ -195,7 +186,7 @@ def main(argv=None):
               "engines": {name: {"block_size": core.runner.block_size, "kv_pool_tokens": core.runner.kv_tokens}
                           for name, core in engines.items()},
               "graph_buckets": sorted(engine.runner.graphs),
-              "capture_s": engine.runner.capture_seconds, "merge_mode": args.merge_mode, "ours": rows}
+              "capture_s": engine.runner.capture_seconds, "ours": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -22,7 +22,8 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .params import FinishEvent, SamplingParams, TokenEvent
-from .sampler import SamplingRows, sample
+from .pipeline import Sampled
+from .sampler import SamplingRows
 from .scheduler import PrefillStep, Scheduler
 from .sequence import Sequence, Status
 
@@ -87,36 +88,6 @@ class ModelInfo:
 Publish = Callable[[list[tuple[str, object]], EngineStats], None]
 
 
-class Inflight:
-    """A step's sampled tokens on their way to the host (one copy per step, into pinned memory)."""
-
-    def __init__(self, seqs, host: torch.Tensor, count: int, with_logprobs: bool, done):
-        self.seqs, self._host, self._count, self._with_logprobs, self._done = seqs, host, count, with_logprobs, done
-
-    @classmethod
-    def launch(cls, seqs, ids: torch.Tensor, logprobs: torch.Tensor | None, host: torch.Tensor,
-               done: torch.cuda.Event | None) -> "Inflight":
-        """Starts the copy into pinned ``host``; ``done`` (an event, on a GPU) marks its end."""
-        packed = ids.double() if logprobs is None else torch.cat([ids.double(), logprobs.double()])
-        host[:packed.shape[0]].copy_(packed, non_blocking=True)
-        if done is not None:
-            done.record()
-        return cls(seqs, host, ids.shape[0], logprobs is not None, done)
-
-    def wait(self) -> float:
-        """Blocks until the copy has landed; returns the seconds spent waiting."""
-        if self._done is None:
-            return 0.0
-        started = time.monotonic()
-        self._done.synchronize()
-        return time.monotonic() - started
-
-    def read(self) -> tuple[list[int], list[float] | None]:
-        n = self._count
-        values = self._host[:2 * n if self._with_logprobs else n].tolist()
-        return [int(v) for v in values[:n]], (values[n:] if self._with_logprobs else None)
-
-
 class EngineCore:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, publish: Publish):
         self.config = config
@@ -130,11 +101,6 @@ class EngineCore:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens, self.max_model_len,
                                    config.prefill_delay_steps)
-        pinned = loaded.device.type == "cuda"
-        # two buffers for decode steps taking turns, one for prefills; each with its copy's event
-        self._readback = [(torch.zeros(2 * config.max_batch, dtype=torch.float64, pin_memory=pinned),
-                           torch.cuda.Event() if pinned else None) for _ in range(3)]
-        self._inflight: Inflight | None = None
         self.steps = 0
         self.step_stats = StepStats()
         self.info = ModelInfo(loaded.name, self.max_model_len, self.runner.kv_tokens, config.block_size,
@@ -160,7 +126,7 @@ class EngineCore:
             self.step()
         for seq in list(itertools.chain(self.scheduler.running, self.scheduler.waiting)):
             self._finish(seq, "abort")             # only if the pool could not hold them
-        self._inflight = None
+        self.runner.pipeline.drop()
         self.steps = 0
 
     def stats(self) -> EngineStats:
@@ -200,13 +166,13 @@ class EngineCore:
             except Exception as exc:
                 failures += 1
                 log.exception("engine step failed (%d in a row)", failures)
-                self._inflight = None
+                self.runner.pipeline.drop()
                 self.fail_all(f"{type(exc).__name__}: {exc}")
                 if failures >= MAX_FAILED_STEPS:
                     raise
 
     def busy(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        return self.scheduler.has_work() or self.runner.pipeline.busy
 
     def run_until_idle(self) -> None:
         """Steps until every request has finished (offline use: benchmarks, batch jobs)."""
@@ -234,64 +200,36 @@ class EngineCore:
     def step(self) -> list[tuple[str, object]]:
         """One model step; returns the (request id, event) pairs that became known.
 
-        A decode step is launched before the previous decode's tokens are read back, so the
-        host's bookkeeping (finish checks, events) overlaps the GPU's next step;
-        the next step reads its input tokens from the device. Prefills, and batches that need
-        every earlier token on the host, first wait for the step in flight."""
+        A decode step is launched before the previous decode's tokens are read back (the model
+        runner's ``pipeline``), so the host's bookkeeping overlaps the device's next step.
+        Prefills, and batches that need every earlier token on the host, first wait for the step
+        in flight."""
         events = []
         if self.scheduler.needs_sync() or self.scheduler.prefill_turn():
-            events += self._complete_inflight()
+            events += self._emit(self.runner.pipeline.drain())
         work = self.scheduler.schedule()
         if work is None:
-            return events + self._complete_inflight()
+            return events + self._emit(self.runner.pipeline.drain())
         self.steps += 1
         if isinstance(work, PrefillStep):
-            self.step_stats.prefill_steps += 1
-            self.step_stats.prompt_tokens += sum(take for _, take in work.chunks)
             return events + self._prefill(work)
         self.step_stats.decode_steps += 1
         self.step_stats.generated += len(work.seqs)
-        inflight = self._inflight
-        rows_before = {id(seq): row for row, seq in enumerate(inflight.seqs)} if inflight else {}
-        sources = [rows_before[id(seq)] if seq.pending else -1 for seq in work.seqs]
-        logits = self.runner.decode(work.seqs, sources)
-        ids, logprobs = sample(logits, self._sampling_rows(work.seqs))
-        self.runner.keep_sampled(ids)
-        for seq in work.seqs:
-            seq.num_cached = seq.total_len
-            seq.pending += 1
-        self._inflight = Inflight.launch(work.seqs, ids, logprobs, *self._readback[self.steps % 2])
-        if inflight is not None:
-            events += self._emit(inflight.seqs, *self._read(inflight))
-        return events
-
-    def _read(self, inflight: Inflight):
-        self.step_stats.device_wait_s += inflight.wait()
-        return inflight.read()
-
-    def _complete_inflight(self) -> list:
-        inflight, self._inflight = self._inflight, None
-        return self._emit(inflight.seqs, *self._read(inflight)) if inflight else []
+        return events + self._emit(self.runner.decode_step(work.seqs, self._sampling_rows(work.seqs)))
 
     def _prefill(self, work: PrefillStep) -> list:
+        self.step_stats.prefill_steps += 1
+        self.step_stats.prompt_tokens += sum(take for _, take in work.chunks)
         for seq, _ in work.chunks:
             self._mark_scheduled(seq)
-        logits = self.runner.prefill(work.chunks)
-        ready = []
-        for row, (seq, take) in enumerate(work.chunks):
+        ready = [i for i, (seq, take) in enumerate(work.chunks) if take == seq.prefill_remaining]
+        sampled = self.runner.prefill_step(work.chunks, ready,
+                                           self._sampling_rows([work.chunks[i][0] for i in ready]))
+        for seq, take in work.chunks:
             seq.num_cached += take
-            if seq.prefill_remaining == 0:
-                self.scheduler.prefill_done(seq)
-                ready.append((row, seq))
-        if not ready:
-            return []
-        seqs = [s for _, s in ready]
-        if len(ready) < len(work.chunks):
-            logits = logits[torch.tensor([r for r, _ in ready], device=logits.device)]
-        ids, logprobs = sample(logits, self._sampling_rows(seqs))
-        for seq in seqs:
-            seq.pending += 1
-        return self._emit(seqs, *self._read(Inflight.launch(seqs, ids, logprobs, *self._readback[2])))
+        for i in ready:
+            self.scheduler.prefill_done(work.chunks[i][0])
+        return self._emit(sampled)
 
     def _sampling_rows(self, seqs) -> SamplingRows:
         return SamplingRows(
@@ -305,11 +243,13 @@ class EngineCore:
             want_logprobs=any(s.params.logprobs for s in seqs),
         )
 
-    def _emit(self, seqs, token_ids, token_logprobs) -> list[tuple[str, object]]:
+    def _emit(self, sampled: Sampled | None) -> list[tuple[str, object]]:
         """Apply read-back tokens; sequences that ended meanwhile (an abort, say) drop theirs.
         Events carry token ids only: the front end turns them into text (``output.py``)."""
-        for seq in seqs:
-            seq.pending -= 1
+        if sampled is None:
+            return []
+        seqs, token_ids, token_logprobs, waited = sampled
+        self.step_stats.device_wait_s += waited
         now = time.monotonic()
         events = []
         for i, seq in enumerate(seqs):
