@@ -73,6 +73,9 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_used: int
     preemptions: int
+    kv_blocks_cached: int = 0            # blocks holding a cached prefix that no request holds
+    prefix_cache_queries: int = 0        # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0           # of those, found there
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,8 @@ class EngineCore:
         self.publish = publish
         started = time.monotonic()
         self.runner = ModelRunner(loaded, config, self.max_model_len)
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching,
+                                   salt=f"{loaded.name}|{loaded.dtype}")
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens, self.max_model_len,
                                    config.prefill_delay_steps)
         self.steps = 0
@@ -107,6 +111,12 @@ class EngineCore:
                               self.blocks.num_blocks)
         if loaded.device.type == "cuda":
             self._warm_up()
+        if config.prefix_caching:
+            log.info("prefix caching on (--no-prefix-caching turns it off)%s",
+                     "; prefills that reuse a cached prefix run eagerly, outside the prefill graphs"
+                     if self.runner.prefill_graphs is not None else "")
+        else:
+            log.info("prefix caching off")
         log.info("KV pool: %d blocks of %d tokens (%d tokens); graph buckets %s, captured in %.1f s; "
                  "engine ready in %.1f s", self.blocks.num_blocks, config.block_size, self.runner.kv_tokens,
                  sorted(self.runner.graphs) or "none", self.runner.capture_seconds, time.monotonic() - started)
@@ -130,8 +140,9 @@ class EngineCore:
         self.steps = 0
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           self.blocks.num_blocks, self.blocks.num_used, self.scheduler.preemptions)
+        b = self.blocks
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), b.num_blocks, b.num_used,
+                           self.scheduler.preemptions, b.num_cached_idle, b.query_tokens, b.hit_tokens)
 
     def run(self, inbox) -> None:
         """Steps until a ``("stop", None)`` message. Inbox messages:
@@ -227,6 +238,7 @@ class EngineCore:
                                            self._sampling_rows([work.chunks[i][0] for i in ready]))
         for seq, take in work.chunks:
             seq.num_cached += take
+            self.blocks.commit(seq)
         for i in ready:
             self.scheduler.prefill_done(work.chunks[i][0])
         return self._emit(sampled)
@@ -260,29 +272,32 @@ class EngineCore:
 
     def _append_token(self, seq: Sequence, token: int, logprob, now: float):
         seq.append(token)
+        cached = None
         if seq.first_token is None:
             seq.first_token = now
+            cached = seq.cached_tokens or 0
         reason = None
         eos = token in self.eos_ids
         if eos and not seq.params.ignore_eos:
             reason = "eos"
         elif len(seq.output_ids) >= seq.params.max_new_tokens or seq.length >= self.max_model_len:
             reason = "length"
-        event = TokenEvent(token, "", logprob, eos or token in self.special_ids, now, reason is not None)
+        event = TokenEvent(token, "", logprob, eos or token in self.special_ids, now, reason is not None, cached)
         if reason is None:
             return ((seq.request_id, event),)
         return (seq.request_id, event), (seq.request_id, self._finish(seq, reason))
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> FinishEvent:
         self._mark_scheduled(seq)
-        self.scheduler.remove(seq)
+        self.scheduler.remove(seq, keep_cache=reason != "error")
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         now = time.monotonic()
         timings = {"queue": (seq.first_scheduled or now) - seq.arrival,
                    "ttft": (seq.first_token - seq.arrival) if seq.first_token else None,
                    "total": now - seq.arrival}
-        return FinishEvent(reason, "", len(seq.prompt_ids), len(seq.output_ids), error, timings)
+        return FinishEvent(reason, "", len(seq.prompt_ids), len(seq.output_ids), error, timings,
+                           seq.cached_tokens or 0)
 
     def fail_all(self, message: str) -> None:
         seqs = list(itertools.chain(self.scheduler.running, self.scheduler.waiting))
