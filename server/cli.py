@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         flag = "--" + name.replace("_", "-")
         engine.add_argument(flag, type=kind, default=_env(name) or None, help=help_text)
     engine.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
+    engine.add_argument("--no-prefix-caching", action="store_true", default=_env("no_prefix_caching") == "1",
+                        help="prefill every prompt whole instead of reusing cached KV blocks of earlier requests")
     engine.add_argument("--prefill-graph-buckets", default=_env("prefill_graph_buckets"),
                         type=lambda v: () if v in ("", "off") else tuple(int(x) for x in v.split(",") if x),
                         help="comma-separated token counts: whole prompts packed up to one of these replay "
@@ -145,6 +147,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
     if args.no_cuda_graphs:
         options["cuda_graphs"] = False
+    if args.no_prefix_caching:
+        options["prefix_caching"] = False
     if args.prefill_graph_buckets is not None:
         options["prefill_graph_buckets"] = args.prefill_graph_buckets   # argparse parses a string default too
     return options

@@ -250,3 +250,21 @@ def test_a_failed_prefill_leaves_nothing_cached_and_the_pool_whole(tiny):
     again = drive(core, [(p, 4, 0, None), (p, 4, 10, None)])
     assert again[0][1].reason == "length" and again[0][1].cached_tokens == 0
     assert again[1][1].cached_tokens == 48
+
+
+def test_no_prefix_caching_flag_turns_it_off(monkeypatch):
+    from server.cli import engine_options, parse_args
+    monkeypatch.delenv("NO_PREFIX_CACHING", raising=False)
+    assert "prefix_caching" not in engine_options(parse_args([]))
+    assert EngineConfig().prefix_caching is True
+    assert engine_options(parse_args(["--no-prefix-caching"]))["prefix_caching"] is False
+    monkeypatch.setenv("NO_PREFIX_CACHING", "1")
+    assert engine_options(parse_args([]))["prefix_caching"] is False
+
+
+def test_the_start_up_log_says_whether_caching_is_on(tiny, caplog):
+    with caplog.at_level("INFO", logger="server.engine.core"):
+        make_core(tiny, True)
+        make_core(tiny, False)
+    lines = [r.getMessage() for r in caplog.records if "prefix caching" in r.getMessage()]
+    assert lines[0].startswith("prefix caching on") and lines[1] == "prefix caching off"
