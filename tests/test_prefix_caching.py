@@ -4,6 +4,7 @@ with it off, token for token, and the pool stays consistent (``BlockManager.chec
 import random
 
 import pytest
+import torch
 
 from models import load_model
 from server.engine import EngineConfig, EngineCore, FinishEvent, SamplingParams
@@ -268,3 +269,50 @@ def test_the_start_up_log_says_whether_caching_is_on(tiny, caplog):
         make_core(tiny, False)
     lines = [r.getMessage() for r in caplog.records if "prefix caching" in r.getMessage()]
     assert lines[0].startswith("prefix caching on") and lines[1] == "prefix caching off"
+
+
+def test_prefill_after_a_cached_prefix_through_the_padded_graph_path_matches_the_packed_one(tiny):
+    """The padded path the prefill graphs replay on a GPU (key rows gathered from the cache, one
+    padding sequence), run eagerly: the logits of chunks after cached prefixes and the cache."""
+    from server.engine.model_runner import ModelRunner
+
+    def run(buckets):
+        runner = ModelRunner(tiny, EngineConfig(max_batch=4, num_blocks=64, block_size=BS, prefill_graph_buckets=buckets),
+                             max_model_len=512)
+        blocks = BlockManager(runner.num_blocks, BS, True)
+        first = seq_of(prompt(30, 100), "first")
+        blocks.grow(first.block_table, first.length)
+        runner.prefill([(first, first.length)])
+        first.num_cached = first.length
+        blocks.commit(first)
+        chunks = []
+        for i, (keep, own) in enumerate([(100, 7), (40, 30), (0, 12)]):
+            seq = seq_of(first.prompt_ids[:keep] + prompt(40 + i, own), f"s{i}")
+            seq.num_cached = blocks.match(seq)
+            blocks.grow(seq.block_table, seq.length)
+            chunks.append((seq, seq.length - seq.num_cached))
+        assert [s.num_cached for s, _ in chunks] == [96, 32, 0]
+        with torch.inference_mode():
+            shape = runner.prefill_graphs.bucket_for(chunks) if runner.prefill_graphs else None
+            return runner.prefill(chunks), runner.kv_caches[1][0].clone(), shape
+
+    padded, padded_cache, shape = run((16, 64))
+    packed, packed_cache, _ = run(())
+    assert shape == (64, 1024)                                 # 11 + 38 + 12 = 61 rows; 107 + 70 + 12 + 3 keys
+    assert torch.allclose(padded, packed, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(padded_cache, packed_cache, atol=1e-6)
+
+
+def test_caching_on_and_off_give_the_same_tokens_through_the_prefill_graph_path(tiny):
+    base = prompt(50, 70)
+    requests = [(base, 8, 0, None), (base[:40] + prompt(51, 9), 8, 20, None), (base, 8, 20, None),
+                (prompt(52, 30), 8, 21, None)]
+    outputs = []
+    for caching in (True, False):
+        core = EngineCore(tiny, EngineConfig(max_batch=4, num_blocks=64, block_size=BS, prefix_caching=caching,
+                                             prefill_graph_buckets=(16, 64, 128)), publish=lambda p, s: None)
+        out = drive(core, requests, check_every_step=True)
+        outputs.append([tokens for tokens, _ in out.values()])
+        if caching:
+            assert [finish.cached_tokens for _, finish in out.values()] == [0, 32, 64, 0]
+    assert outputs[0] == outputs[1]

@@ -111,10 +111,11 @@ class EngineCore:
                               self.blocks.num_blocks)
         if loaded.device.type == "cuda":
             self._warm_up()
+        graphs = self.runner.prefill_graphs
         if config.prefix_caching:
             log.info("prefix caching on (--no-prefix-caching turns it off)%s",
-                     "; prefills that reuse a cached prefix run eagerly, outside the prefill graphs"
-                     if self.runner.prefill_graphs is not None else "")
+                     f"; a prefill after a cached prefix replays a graph up to {graphs.key_row_buckets[-1]} "
+                     "key rows, and runs eagerly past that" if graphs is not None else "")
         else:
             log.info("prefix caching off")
         log.info("KV pool: %d blocks of %d tokens (%d tokens); graph buckets %s, captured in %.1f s; "

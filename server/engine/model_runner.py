@@ -19,7 +19,7 @@ from models import AttentionBatch, FusedLlama, LoadedModel, forward_logits, fuse
 from .config import EngineConfig
 from .graphs import capture_graphs
 from .pipeline import DecodeInputs, Sampled, StepPipeline
-from .prefill_graphs import PrefillGraphs
+from .prefill_graphs import PrefillGraphs, key_rows
 from .sampler import SamplingRows, sample
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class ModelRunner:
         prefill_buckets = config.prefill_buckets(self.device.type == "cuda")
         if prefill_buckets:
             self.prefill_graphs = PrefillGraphs(self.forward, self.kv_caches, prefill_buckets,
-                                                config.prefill_graph_max_seqs, self.device)
+                                                config.prefill_graph_max_seqs, self.block_size, self.device)
         if self.device.type == "cuda" and config.cuda_graphs:
             self.capture(config.buckets())
             if self.prefill_graphs is not None:
@@ -179,10 +179,10 @@ class ModelRunner:
         (the caller keeps only those of sequences whose prompt is now complete)."""
         graphs = self.prefill_graphs
         if graphs is not None:
-            length = graphs.bucket_for(chunks)
-            if length is not None:
-                slots = [slot for seq, take in chunks for slot in self._slots(seq, 0, take)]
-                return graphs.run(chunks, slots, length)
+            shape = graphs.bucket_for(chunks)
+            if shape is not None:
+                slots = [slot for seq, take in chunks for slot in self._slots(seq, seq.num_cached, take)]
+                return graphs.run(chunks, slots, shape)
         return self._prefill_packed(chunks)
 
     def _prefill_packed(self, chunks) -> torch.Tensor:
@@ -202,12 +202,18 @@ class ModelRunner:
             table[i, :len(seq.block_table)] = seq.block_table
             lens.append(seq.num_cached + take)
         to_dev = self._to_device
-        whole_prompts = not any(contexts)
+        on_gpu = self.device.type == "cuda"
+        context = {}
+        if any(contexts) and on_gpu:             # one varlen call over key rows gathered from the cache
+            blocks, offsets, key_starts = key_rows(chunks, self.block_size)
+            context = dict(kv_gather=(to_dev(blocks).long(), to_dev(offsets).long()),
+                           cu_kv_starts=to_dev(key_starts), kv_starts=key_starts,
+                           max_kv_len=max(b - a for a, b in zip(key_starts, key_starts[1:])))
         batch = AttentionBatch(self.kv_caches, to_dev(slots), to_dev(table), to_dev(lens),
                                is_decode=False, workspace=self.workspace,
                                query_starts=starts, context_lens=contexts,
-                               cu_query_starts=to_dev(starts) if whole_prompts else None,
-                               max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
+                               cu_query_starts=to_dev(starts) if on_gpu else None,
+                               max_query_len=max(b - a for a, b in zip(starts, starts[1:])), **context)
         last_rows = to_dev([s - 1 for s in starts[1:]])
         return self.forward(to_dev(ids).unsqueeze(0), to_dev(positions).unsqueeze(0),
                               batch, logits_rows=last_rows)
