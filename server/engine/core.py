@@ -139,6 +139,7 @@ class EngineCore:
             self._finish(seq, "abort")             # only if the pool could not hold them
         self.runner.pipeline.drop()
         self.steps = 0
+        self.blocks.query_tokens = self.blocks.hit_tokens = 0
 
     def stats(self) -> EngineStats:
         b = self.blocks

@@ -64,7 +64,8 @@ class ModelRunner:
         prefill_buckets = config.prefill_buckets(self.device.type == "cuda")
         if prefill_buckets:
             self.prefill_graphs = PrefillGraphs(self.forward, self.kv_caches, prefill_buckets,
-                                                config.prefill_graph_max_seqs, self.block_size, self.device)
+                                                config.prefill_graph_max_seqs, self.block_size, self.device,
+                                                self.kv_tokens)
         if self.device.type == "cuda" and config.cuda_graphs:
             self.capture(config.buckets())
             if self.prefill_graphs is not None:

@@ -25,7 +25,7 @@ from .graphs import capture_graphs
 log = logging.getLogger(__name__)
 
 # Key rows (cached tokens and chunks together) a prefill after a cached prefix may gather.
-KEY_ROW_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+KEY_ROW_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 def key_rows(chunks, block_size: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -44,11 +44,13 @@ def key_rows(chunks, block_size: int) -> tuple[np.ndarray, np.ndarray, list[int]
 
 class PrefillGraphs:
     def __init__(self, forward, kv_caches, buckets, max_seqs: int, block_size: int, device: torch.device,
-                 key_row_buckets=KEY_ROW_BUCKETS):
+                 pool_tokens: int):
         self.forward = forward                    # forward_logits' contract, the model bound
         self.kv_caches = kv_caches
         self.buckets = tuple(sorted(buckets))
-        self.key_row_buckets = tuple(sorted(key_row_buckets))
+        # key rows are at most the pool's tokens and the padding rows
+        most = pool_tokens + self.buckets[-1]
+        self.key_row_buckets = tuple(b for i, b in enumerate(KEY_ROW_BUCKETS) if i == 0 or KEY_ROW_BUCKETS[i - 1] < most)
         self.max_seqs = max_seqs
         self.block_size = block_size
         self.device = device
