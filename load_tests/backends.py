@@ -26,6 +26,7 @@ class Parsed:
     text: str = ""
     completion_tokens: int | None = None                      # the server's count, where it gave one
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None                          # prompt tokens served from the prefix cache
     finish_reason: str | None = None
     error: str | None = None
 
@@ -110,6 +111,8 @@ class TGIBackend(Backend):
             for key in ("input_length", "prompt_tokens"):
                 if details.get(key) is not None:
                     out.prompt_tokens = int(details[key])
+            if details.get("cached_tokens") is not None:
+                out.cached_tokens = int(details["cached_tokens"])
             if out.prompt_tokens is None and details.get("prefill"):
                 out.prompt_tokens = len(details["prefill"])
 
@@ -166,6 +169,9 @@ class OpenAICompletionsBackend(Backend):
                 out.completion_tokens = int(usage["completion_tokens"])
             if usage.get("prompt_tokens") is not None:
                 out.prompt_tokens = int(usage["prompt_tokens"])
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if cached is not None:
+                out.cached_tokens = int(cached)
 
 
 class OpenAIChatBackend(OpenAICompletionsBackend):

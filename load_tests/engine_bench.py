@@ -9,6 +9,12 @@ the whole batch (prefill included), as vLLM's offline throughput benchmark does.
         --long-batch 1 8 --hf default static --out results/engine.json
     python -m load_tests.engine_bench --device cuda --model random:smollm2-135m --batch 1 256 --hf \
         --block-size 128 32 --repeats 6      # two engines, one per block size, taking turns
+    python -m load_tests.engine_bench --device cuda --model random:smollm2-135m --batch 16 64 --hf \
+        --shared-prefix 2048 --prefix-caching on off      # one engine with prefix caching, one without
+
+Every run draws new prompts (the same for every engine and transformers in that round), so a
+prefix cache never serves one run from an earlier one; with ``--shared-prefix N`` every prompt
+starts with the same N tokens, then its own ``--prompt-len``.
 """
 
 import argparse
@@ -27,9 +33,9 @@ from server.engine import EngineConfig, EngineCore, FinishEvent, SamplingParams,
 from server.engine.output import OutputProcessor
 
 
-def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def random_prompts(batch: int, length: int, vocab: int, seed: int, prefix: list[int] = ()) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, vocab - 10, (batch, length), generator=g).tolist()
+    return [list(prefix) + row for row in torch.randint(10, vocab - 10, (batch, length), generator=g).tolist()]
 
 
 def sync(device):
@@ -74,15 +80,16 @@ def run_hf(model, prompts, new_tokens: int, mode: str) -> float:
 
 
 def interleaved(runners: dict, repeats: int) -> dict:
-    """Seconds of each run of each runner, taking turns so drifting machine load hits all alike. Each
-    run starts from a collected, frozen heap, so the objects an earlier run left behind (a
-    compile's, say) do not slow its garbage collections; the heap is unfrozen after it."""
+    """Seconds of each run of each runner, taking turns so drifting machine load hits all alike;
+    ``fn(round)`` gets the round's number. Each run starts from a collected, frozen heap, so the
+    objects an earlier run left behind do not slow its garbage collections; the heap is unfrozen
+    after it."""
     samples = {name: [] for name in runners}
-    for _ in range(repeats):
+    for round_ in range(repeats):
         for name, fn in runners.items():
             freeze_startup_heap()
             try:
-                samples[name].append(fn())
+                samples[name].append(fn(round_))
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
             finally:
@@ -112,7 +119,10 @@ def main(argv=None):
                     help="KV cache block size; several: one engine each, interleaved in every case (ours_bsN "
                          "columns for all but the first), with pools of equal tokens (--num-blocks counts blocks "
                          "of the first size; without it, room for every case)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
+    ap.add_argument("--prefix-caching", nargs="+", choices=["on", "off"], default=["on"],
+                    help="prefix caching of the engine; both: one engine each, interleaved (ours_nocache columns)")
+    ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                    help="every prompt starts with the same N random tokens, then its own --prompt-len")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--prefill-graph-buckets", type=int, nargs="*", default=None,
                     help="token buckets of prefill graphs (none given: off; default: the engine's)")
@@ -120,31 +130,39 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if len(set(args.block_size)) != len(args.block_size):
         ap.error("--block-size: each size once")
+    if len(set(args.prefix_caching)) != len(args.prefix_caching):
+        ap.error("--prefix-caching: each setting once")
+    if args.shared_prefix < 0:
+        ap.error("--shared-prefix must be >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     device = loaded.device
     vocab = loaded.config.vocab_size
     long_modes = args.hf if args.hf_long is None else args.hf_long
-    cases = [(b, args.prompt_len, args.new_tokens, args.hf) for b in args.batch]
-    cases += [(b, args.long_prompt_len, args.long_new_tokens, long_modes) for b in args.long_batch]
-    longest = max(p + n for _, p, n, _ in cases)
-    max_batch = max(b for b, _, _, _ in cases)
+    prefix = random_prompts(1, args.shared_prefix, vocab, seed=12345)[0] if args.shared_prefix else []
+    # (batch, shared prefix, own prompt tokens, new tokens, transformers settings)
+    cases = [(b, args.shared_prefix, args.prompt_len, args.new_tokens, args.hf) for b in args.batch]
+    cases += [(b, 0, args.long_prompt_len, args.long_new_tokens, long_modes) for b in args.long_batch]
+    longest = max(s + p + n for _, s, p, n, _ in cases)
+    max_batch = max(c[0] for c in cases)
     pool_tokens = None
     if args.num_blocks is not None:
         pool_tokens = args.num_blocks * args.block_size[0]
     elif len(args.block_size) > 1:                 # room for every sequence of each case
-        pool_tokens = max(b * (p + n + max(args.block_size)) for b, p, n, _ in cases)
+        pool_tokens = max(b * (s + p + n + max(args.block_size)) for b, s, p, n, _ in cases)
     engines = {}
-    for block_size in args.block_size:
+    for block_size, caching in ((b, c) for b in args.block_size for c in args.prefix_caching):
         config = EngineConfig(max_batch=max_batch, max_model_len=max(longest, 1024),
                               max_prefill_tokens=8192,
                               num_blocks=None if pool_tokens is None else -(-pool_tokens // block_size),
                               gpu_memory_fraction=0.45 if args.hf else 0.8,
-                              compile=args.compile, cuda_graphs=not args.no_graphs,
+                              cuda_graphs=not args.no_graphs,
                               prefill_graph_buckets=None if args.prefill_graph_buckets is None
-                              else tuple(args.prefill_graph_buckets), block_size=block_size)
-        name = "ours" if not engines else f"ours_bs{block_size}"
+                              else tuple(args.prefill_graph_buckets), block_size=block_size,
+                              prefix_caching=caching == "on")
+        name = "ours" + ("" if block_size == args.block_size[0] else f"_bs{block_size}") + \
+            ("" if caching == args.prefix_caching[0] else ("_cache" if caching == "on" else "_nocache"))
         engines[name] = EngineCore(loaded, config, publish=lambda pairs, stats: None)
     engine = engines["ours"]
     hf_model = None
@@ -153,12 +171,18 @@ def main(argv=None):
         hf_model.set_attn_implementation("sdpa")
 
     rows = []
-    for batch, prompt_len, new_tokens, modes in cases:
-        prompts = random_prompts(batch, prompt_len, vocab, seed=batch * 7 + prompt_len)
-        runners = {name: lambda core=core: run_ours(core, prompts, new_tokens) for name, core in engines.items()}
+    for batch, shared, own, new_tokens, modes in cases:
+        prompt_len = shared + own
+
+        def prompts_of(round_, batch=batch, own=own, shared=prefix[:shared]):
+            return random_prompts(batch, own, vocab, seed=(batch * 7 + own) * 1000 + round_ + 1, prefix=shared)
+
+        runners = {name: lambda r, core=core: run_ours(core, prompts_of(r), new_tokens)
+                   for name, core in engines.items()}
         for mode in modes:
             if batch <= args.hf_max_batch:
-                runners[f"hf_{mode}"] = lambda mode=mode: run_hf(hf_model, prompts, new_tokens, mode)
+                runners[f"hf_{mode}"] = lambda r, mode=mode: run_hf(hf_model, prompts_of(r), new_tokens, mode)
+        prompts = prompts_of(-1)                                            # the warm-ups'
         for core in engines.values():
             run_ours(core, prompts[:1], 4)                                  # warm-up
         for mode in args.hf:
@@ -167,7 +191,7 @@ def main(argv=None):
                 run_hf(hf_model, prompts, new_tokens if mode == "static" else min(new_tokens, 8), mode)
         samples = interleaved(runners, args.repeats)
         times = {name: statistics.median(v) for name, v in samples.items()}
-        row = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+        row = {"batch": batch, "prompt_len": prompt_len, "shared_prefix": shared, "new_tokens": new_tokens,
                "ours_s": times["ours"], "ours_tok_per_s": batch * new_tokens / times["ours"]}
         row["tok_per_s"] = row["ours_tok_per_s"]
         for name in list(engines)[1:]:
@@ -185,7 +209,9 @@ def main(argv=None):
     result = {"model": args.model, "device": str(device), "dtype": str(loaded.dtype),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "kv_pool_tokens": engine.runner.kv_tokens, "block_size": engine.runner.block_size,
-              "engines": {name: {"block_size": core.runner.block_size, "kv_pool_tokens": core.runner.kv_tokens}
+              "engines": {name: {"block_size": core.runner.block_size, "kv_pool_tokens": core.runner.kv_tokens,
+                                 "prefix_caching": core.blocks.prefix_caching,
+                                 "prefix_cache_hit_share": core.blocks.hit_tokens / max(core.blocks.query_tokens, 1)}
                           for name, core in engines.items()},
               "graph_buckets": sorted(engine.runner.graphs),
               "capture_s": engine.runner.capture_seconds, "ours": rows}
@@ -202,7 +228,9 @@ def markdown(rows, modes, others=()) -> str:
     for r in rows:
         rates = [f"{r.get(f'{n}_tok_per_s') or float('nan'):.1f}" for n in names]
         ratio = f"{r['ratio_to_best_hf']:.2f}x" if r["ratio_to_best_hf"] else "-"
-        lines.append("| " + " | ".join([str(r["batch"]), str(r["prompt_len"]), str(r["new_tokens"]), *rates, ratio]) + " |")
+        shared = r.get("shared_prefix") or 0
+        prompt = f"{shared}+{r['prompt_len'] - shared}" if shared else str(r["prompt_len"])
+        lines.append("| " + " | ".join([str(r["batch"]), prompt, str(r["new_tokens"]), *rates, ratio]) + " |")
     return "\n".join(lines)
 
 

@@ -10,6 +10,12 @@ request throughput, output tokens/s and goodput under SLOs. Two modes:
 - request rates with Poisson (``--burstiness 1``) or gamma arrivals (burstiness < 1 is burstier,
   > 1 more regular): ``--request-rate 2,8,inf``, optionally capped by ``--max-concurrency``.
 
+Prompts share nothing by default. ``--shared-prefix N`` starts every request with the same N
+tokens (a system prompt); ``--multi-turn T`` makes each client hold conversations of T turns, each
+turn resending the conversation so far plus a new question. The report gives the share of prompt
+tokens the server said it served from its prefix cache (``usage.prompt_tokens_details.cached_tokens``,
+TGI ``details.cached_tokens``).
+
 Results go to ``--out-dir``: ``results.json``, ``report.md`` (also printed) and PNG plots.
 ``--engine-json`` puts the offline engine benchmark's tokens/s beside each concurrency (rows
 ``{"batch", "tok_per_s"}`` under ``"ours"``, as ``load_tests/engine_bench.py --out`` writes them;
@@ -105,6 +111,8 @@ async def send_request(client: httpx.AsyncClient, backend: Backend, url: str, pr
     result.chunks = len(parsed.token_times)
     result.tokens_reported = parsed.completion_tokens
     result.prompt_tokens_reported = parsed.prompt_tokens
+    result.cached_tokens_reported = parsed.cached_tokens
+    result.text = parsed.text
     result.finish_reason = parsed.finish_reason
     result.text_chars = len(parsed.text)
     if parsed.token_times:
@@ -166,11 +174,30 @@ def _progress(total: int, desc: str, enabled: bool):
                 dynamic_ncols=True)
 
 
-async def _run_share(level: Level, backend: Backend, base_url: str, prompts: list[tuple[str, int]],
+TURN_SEPARATOR = "\n\n"
+
+
+def make_items(source: PromptSource, count: int, input_len: int, input_range: float = 0.0,
+               shared_prefix: tuple[str, int] | None = None, turns: int = 1) -> list[list[tuple[str, int]]]:
+    """Work for ``count`` requests: conversations of ``turns`` (question, target tokens) each (one
+    turn: independent prompts), every request starting with ``shared_prefix`` (text, tokens) if given."""
+    items = []
+    for _ in range(-(-count // turns)):
+        questions = source.batch(turns, input_len, input_range)
+        if shared_prefix is not None:
+            text, n = shared_prefix
+            questions[0] = (text + " " + questions[0][0], n + questions[0][1])
+        items.append(questions)
+    return items
+
+
+async def _run_share(level: Level, backend: Backend, base_url: str, prompts: list[list[tuple[str, int]]],
                      max_tokens: int, headers: dict, *, request_timeout: float, max_duration: float,
                      seed: int, start_at: float, on_done=None) -> tuple[list[RequestResult], float, float]:
     """One process's share of a level, starting at ``start_at`` (a ``time.perf_counter()`` value,
-    the same clock in every process). Returns (results, end time, CPU seconds used)."""
+    the same clock in every process). ``prompts``: conversations, each a list of turns (question,
+    target tokens); a turn sends the conversation so far (questions and answers) plus its question,
+    after the previous turn ended. Returns (results, end time, CPU seconds used)."""
     url = base_url.rstrip("/") + backend.path
     width = max(1, level.concurrency or level.max_concurrency or len(prompts))
     limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
@@ -181,34 +208,45 @@ async def _run_share(level: Level, backend: Backend, base_url: str, prompts: lis
         cpu0 = time.process_time()
         deadline = start_at + max_duration
 
-        async def one(prompt: str, plen: int) -> None:
-            results.append(await send_request(client, backend, url, prompt, plen, max_tokens, headers, start_at))
-            if on_done is not None:
-                on_done()
+        async def one(turns: list[tuple[str, int]]) -> None:
+            history, history_len = "", 0
+            for k, (question, qlen) in enumerate(turns):
+                if k and time.perf_counter() >= deadline:
+                    break
+                prompt = history + question
+                result = await send_request(client, backend, url, prompt, history_len + qlen, max_tokens, headers,
+                                            start_at)
+                results.append(result)
+                if on_done is not None:
+                    on_done()
+                if not result.ok:
+                    break
+                history = prompt + result.text + TURN_SEPARATOR
+                history_len += qlen + result.output_tokens
 
         if level.mode == "concurrency":
             todo = iter(prompts)
 
             async def worker() -> None:
-                for prompt, plen in todo:
+                for turns in todo:
                     if time.perf_counter() >= deadline:
                         break
-                    await one(prompt, plen)
+                    await one(turns)
 
             await asyncio.gather(*(worker() for _ in range(min(level.concurrency, len(prompts)))))
         else:
             cap = asyncio.Semaphore(level.max_concurrency) if level.max_concurrency else None
 
-            async def limited(prompt: str, plen: int) -> None:
+            async def limited(turns) -> None:
                 if cap is None:
-                    return await one(prompt, plen)
+                    return await one(turns)
                 async with cap:
-                    await one(prompt, plen)
+                    await one(turns)
 
             tasks = []
             gaps = arrival_gaps(len(prompts), level.request_rate, level.burstiness, random.Random(seed))
             next_at = start_at
-            for i, (prompt, plen) in enumerate(prompts):
+            for i, turns in enumerate(prompts):
                 if i:
                     next_at += gaps[i - 1]
                 delay = next_at - time.perf_counter()
@@ -216,7 +254,7 @@ async def _run_share(level: Level, backend: Backend, base_url: str, prompts: lis
                     await asyncio.sleep(delay)
                 if time.perf_counter() >= deadline:
                     break
-                tasks.append(asyncio.create_task(limited(prompt, plen)))
+                tasks.append(asyncio.create_task(limited(turns)))
             await asyncio.gather(*tasks)
         t_end = time.perf_counter()
         cpu = time.process_time() - cpu0
@@ -247,14 +285,15 @@ def split_level(level: Level, workers: int) -> list[Level]:
                   max_concurrency=cap) for cap in caps]
 
 
-def run_level(level: Level, backend: Backend, base_url: str, prompts: list[tuple[str, int]],
+def run_level(level: Level, backend: Backend, base_url: str, prompts: list[list[tuple[str, int]]],
               max_tokens: int, headers: dict, *, request_timeout: float, max_duration: float,
               seed: int, progress: bool, workers: int = 1) -> tuple[list[RequestResult], float, float]:
-    """Run ``prompts`` at one level, in this process or spread over ``workers`` processes (one
+    """Run ``prompts`` (conversations, see ``_run_share``) at one level, in this process or spread
+    over ``workers`` processes (one
     Python process streams some 10-20 thousand tokens/s before its own CPU limits the numbers).
     Returns (results, duration in s, client CPU in cores)."""
     workers = max(1, min(workers, level.concurrency or level.max_concurrency or workers, len(prompts)))
-    bar = _progress(len(prompts), level.label, progress)
+    bar = _progress(sum(len(turns) for turns in prompts), level.label, progress)
     common = dict(backend=backend, base_url=base_url, max_tokens=max_tokens, headers=headers,
                   request_timeout=request_timeout, max_duration=max_duration)
     if workers == 1:
@@ -458,6 +497,11 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument("--input-range", type=float, default=0.0,
                      help="prompt lengths drawn uniformly in input-len x [1-r, 1+r]")
     req.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    req.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                     help="every request starts with the same N tokens, then --input-len of its own")
+    req.add_argument("--multi-turn", type=int, default=1, metavar="TURNS",
+                     help="conversations of TURNS requests: each turn resends the conversation so far "
+                          "(questions and answers) plus a new question of --input-len tokens")
     req.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                      help="do not send ignore_eos (for servers that reject it; lengths then vary)")
     req.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -507,8 +551,9 @@ def level_size(level: Level, args) -> int:
 
 def benchmark(args, base_url: str, headers: dict, source: PromptSource, backend: Backend,
               levels: list[Level], slos: dict) -> list[dict]:
+    prefix = (source.make(args.shared_prefix), args.shared_prefix) if args.shared_prefix else None
     if args.warmup > 0:
-        prompts = source.batch(args.warmup, args.input_len)
+        prompts = make_items(source, args.warmup, args.input_len, shared_prefix=prefix)
         warm, _, _ = run_level(Level("concurrency", concurrency=args.warmup), backend, base_url, prompts,
                                args.output_len, headers, request_timeout=args.request_timeout,
                                max_duration=args.request_timeout, seed=args.seed, progress=False)
@@ -517,12 +562,13 @@ def benchmark(args, base_url: str, headers: dict, source: PromptSource, backend:
             hint = " (does the server accept ignore_eos? try --no-ignore-eos)" if bad[0].status in (400, 422) else ""
             raise RuntimeError(f"warm-up request failed: {bad[0].error}{hint}")
         if warm[0].prompt_tokens_reported and backend.name != "openai-chat":
-            source.calibrate(prompts[0][0], warm[0].prompt_tokens_reported)
+            source.calibrate(prompts[0][0][0], warm[0].prompt_tokens_reported)
         log.info("warm-up: %d requests ok, %d tokens each", len(warm), warm[0].output_tokens)
 
     out = []
     for i, level in enumerate(levels):
-        prompts = source.batch(level_size(level, args), args.input_len, args.input_range)
+        prompts = make_items(source, level_size(level, args), args.input_len, args.input_range, prefix,
+                             args.multi_turn)
         results, duration, cpu = run_level(
             level, backend, base_url, prompts, args.output_len, headers,
             request_timeout=args.request_timeout, max_duration=args.max_duration,
@@ -531,9 +577,10 @@ def benchmark(args, base_url: str, headers: dict, source: PromptSource, backend:
                             exact_count=backend.exact_count)
         summary["client_cpu_cores"] = cpu
         s = summary
-        log.info("%s: %d/%d ok in %.1f s, %.1f req/s, %.1f output tok/s, TTFT p50 %.1f ms, ITL p50 %.2f ms",
+        log.info("%s: %d/%d ok in %.1f s, %.1f req/s, %.1f output tok/s, TTFT p50 %.1f ms, ITL p50 %.2f ms%s",
                  level.label, s["completed"], s["requests"], duration, s["request_throughput"],
-                 s["output_throughput"], s["ttft_ms"].get("p50", math.nan), s["itl_ms"].get("p50", math.nan))
+                 s["output_throughput"], s["ttft_ms"].get("p50", math.nan), s["itl_ms"].get("p50", math.nan),
+                 "" if s["cached_prompt_share"] is None else f", {s['cached_prompt_share']:.0%} of prompt tokens cached")
         if cpu > 0.8 * args.workers and duration > 2.0:
             log.warning("%s: the load generator used %.0f%% of %d core(s); its own overhead may limit the "
                         "numbers: spread it over more processes (--workers)", level.label, cpu * 100, args.workers)
@@ -547,8 +594,10 @@ def run(args) -> int:
     levels = make_levels(args)
     slos = parse_slos(args.goodput)
     engine = load_engine_rows(args.engine_json, args.input_len, args.output_len)
-    if args.input_len < 1 or args.output_len < 1 or args.workers < 1:
-        raise SystemExit("--input-len, --output-len and --workers must be >= 1")
+    if args.input_len < 1 or args.output_len < 1 or args.workers < 1 or args.multi_turn < 1:
+        raise SystemExit("--input-len, --output-len, --workers and --multi-turn must be >= 1")
+    if args.shared_prefix < 0:
+        raise SystemExit("--shared-prefix must be >= 0")
 
     out_dir = Path(args.out_dir or f"results/loadgen-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

@@ -32,8 +32,10 @@ class RequestResult:
     chunks: int = 0                           # stream chunks that carried them
     tokens_reported: int | None = None        # the server's count
     prompt_tokens_reported: int | None = None
+    cached_tokens_reported: int | None = None  # prompt tokens the server found in its prefix cache
     finish_reason: str | None = None
     text_chars: int = 0
+    text: str = field(default="", repr=False)  # the generated text (a multi-turn chat resends it)
 
     @property
     def output_tokens(self) -> int:
@@ -51,7 +53,9 @@ class RequestResult:
         return (self.latency - self.ttft) / (n - 1) if n > 1 else 0.0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        del out["text"]
+        return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -120,6 +124,13 @@ def token_check(results: list[RequestResult], expect_length: bool, exact_count: 
                           "requested": r.max_tokens} for r in (mismatched + short)[:5]]}
 
 
+def cached_share(ok: list[RequestResult]) -> float | None:
+    """Share of the prompt tokens the server said it found in its prefix cache (None: it said nothing)."""
+    told = [r for r in ok if r.cached_tokens_reported is not None]
+    prompt = sum(r.input_tokens for r in told)
+    return sum(r.cached_tokens_reported for r in told) / prompt if told and prompt else None
+
+
 def summarize(results: list[RequestResult], duration: float, percentiles: list[float],
               slos: dict[str, float], expect_length: bool, exact_count: bool = True) -> dict:
     ok = [r for r in results if r.ok]
@@ -149,6 +160,7 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[f
         "itl_ms": describe([gap for r in ok for gap in r.itl], percentiles),
         "e2el_ms": describe([r.latency for r in ok if r.latency is not None], percentiles),
         "mean_prompt_tokens": in_tokens / len(ok) if ok else math.nan,
+        "cached_prompt_share": cached_share(ok),
         "mean_output_tokens": out_tokens / len(ok) if ok else math.nan,
         "token_check": token_check(results, expect_length, exact_count),
         "errors": errors,

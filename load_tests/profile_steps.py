@@ -47,14 +47,13 @@ def main(argv=None):
     ap.add_argument("--model", default="random:smollm2-135m")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--compile", action="store_true")
     ap.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="KV cache block size")
     ap.add_argument("--out", type=Path, default=Path("results/profile"))
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     loaded = load_model(args.model, device="cuda")
     core = EngineCore(loaded, EngineConfig(max_batch=max(args.batch), num_blocks=(1 << 18) // args.block_size,
-                                           compile=args.compile, max_model_len=4096, block_size=args.block_size),
+                                           max_model_len=4096, block_size=args.block_size),
                       publish=lambda pairs, stats: None)
     prompt = list(range(1000, 1000 + args.prompt_len))
     counter = iter(range(10**9))

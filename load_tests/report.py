@@ -75,6 +75,7 @@ def markdown(doc: dict) -> str:
     levels = doc["levels"]
     has_engine = any(lv["summary"].get("engine") for lv in levels)
     has_goodput = bool(cfg.get("slos_ms"))
+    has_cached = any(lv["summary"].get("cached_prompt_share") is not None for lv in levels)
     level_name = "concurrency" if levels and levels[0]["level"]["mode"] == "concurrency" else "load"
 
     lines = [f"# Load test: {doc['label']}", ""]
@@ -85,6 +86,11 @@ def markdown(doc: dict) -> str:
     lines.append(f"- Prompts: {cfg['input_len']} tokens ({cfg['prompt_lengths']} lengths"
                  + (f", ±{cfg['input_range']:.0%}" if cfg["input_range"] else "")
                  + f"); output: {cfg['output_len']} tokens ({eos}, {sampling}).")
+    if cfg.get("shared_prefix"):
+        lines.append(f"- Every request starts with the same {cfg['shared_prefix']} tokens, then its own prompt.")
+    if cfg.get("multi_turn", 1) > 1:
+        lines.append(f"- Multi-turn: conversations of {cfg['multi_turn']} turns; each turn resends the conversation "
+                     "so far (questions and answers) plus a new question of the prompt length.")
     if levels and levels[0]["level"]["mode"] == "rate":
         lines.append(f"- Arrivals: gamma, burstiness {cfg['burstiness']:g} (1 = Poisson)"
                      + (f", at most {cfg['max_concurrency']} in flight" if cfg.get("max_concurrency") else "") + ".")
@@ -100,6 +106,8 @@ def markdown(doc: dict) -> str:
         target = doc["engine"]["ratio_target"]
         head += ["engine tok/s (batch = c)", "HTTP / engine", f"≥ {target:.0%}"]
     head += ["TTFT p50 (ms)", f"TTFT {pcts[-1]} (ms)", "ITL p50 (ms)", f"ITL {pcts[-1]} (ms)"]
+    if has_cached:
+        head += ["prompt tokens cached"]
     if has_goodput:
         head += ["goodput (req/s)", "SLO met"]
     rows = []
@@ -114,6 +122,9 @@ def markdown(doc: dict) -> str:
                     if e else ["–", "–", "–"])
         row += [_f(s["ttft_ms"]["p50"]), _f(s["ttft_ms"][pcts[-1]]), _f(s["itl_ms"]["p50"], 2),
                 _f(s["itl_ms"][pcts[-1]], 2)]
+        if has_cached:
+            share = s.get("cached_prompt_share")
+            row += ["–" if share is None else f"{share:.1%}"]
         if has_goodput:
             row += [_f(s["goodput"], 2), f"{s['slo_attainment']:.0%}" if s["slo_attainment"] is not None else "–"]
         rows.append(row)

@@ -43,10 +43,19 @@ class AttentionBatch:
     workspace: kernels.Workspace | None = None
     query_starts: list[int] | None = None
     context_lens: list[int] | None = None
-    # Whole prompts only (nothing cached before them): query_starts on the device (int32, may end
-    # in empty sequences) and the longest prompt, for one varlen attention call on a GPU.
+    # query_starts on the device (int32, may end in empty sequences) and the longest chunk, for one
+    # varlen attention call on a GPU: over the chunks' own keys for whole prompts (nothing cached
+    # before them), else over kv_gather's rows.
     cu_query_starts: torch.Tensor | None = None
     max_query_len: int = 0
+    # Chunks after a cached prefix, in one varlen call over keys and values gathered from the
+    # cache: (block, offset) of every key row ([K] int64 each; each sequence's rows in order, its
+    # cached tokens then its chunk), the key rows' starts (int32 on the device; host ints for the
+    # CPU) and the longest. The query rows attend causally, aligned to the end of their key rows.
+    kv_gather: tuple[torch.Tensor, torch.Tensor] | None = None
+    cu_kv_starts: torch.Tensor | None = None
+    kv_starts: list[int] | None = None
+    max_kv_len: int = 0
 
 
 # Prompt lengths change with every request: backends that plan per shape (cuDNN builds a graph
@@ -57,11 +66,35 @@ PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, 
 def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache) -> torch.Tensor:
     """Causal attention of packed prompt chunks: ``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` (their keys
     and values already in the cache); returns ``[T, Hq, D]``."""
+    if batch.kv_gather is not None:
+        blocks, offsets = batch.kv_gather
+        k, v = k_cache[blocks, :, offsets].to(q.dtype), v_cache[blocks, :, offsets].to(q.dtype)   # [K, Hkv, D]
+        if q.is_cuda:
+            return torch.ops.aten._flash_attention_forward(
+                q, k, v, batch.cu_query_starts, batch.cu_kv_starts, batch.max_query_len, batch.max_kv_len,
+                0.0, True, False, scale=scale)[0]
+        return _gathered_chunks(q, k, v, scale, batch)
     if q.is_cuda and batch.cu_query_starts is not None:
         return _varlen_causal(q, k, v, scale, batch)
     out = q.new_zeros(q.shape)
     with sdpa_kernel(PREFILL_BACKENDS, set_priority=True):
         _prefill_chunks(out, q, k, v, scale, batch, k_cache, v_cache)
+    return out
+
+
+def _gathered_chunks(q, k, v, scale, batch: AttentionBatch) -> torch.Tensor:
+    """The CPU's loop for ``kv_gather``: per sequence, its queries against its gathered keys."""
+    out = q.new_zeros(q.shape)
+    qs, ks = batch.query_starts, batch.kv_starts
+    for i in range(len(qs) - 1):
+        n, total = qs[i + 1] - qs[i], ks[i + 1] - ks[i]
+        if n == 0:
+            continue
+        qi = q[qs[i]:qs[i + 1]].transpose(0, 1).unsqueeze(0)
+        group = q.shape[1] // k.shape[1]
+        ki, vi = (t[ks[i]:ks[i + 1]].transpose(0, 1).unsqueeze(0).repeat_interleave(group, dim=1) for t in (k, v))
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(n, total), scale=scale)
+        out[qs[i]:qs[i + 1]] = o[0].transpose(0, 1)
     return out
 
 

@@ -71,12 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         flag = "--" + name.replace("_", "-")
         engine.add_argument(flag, type=kind, default=_env(name) or None, help=help_text)
     engine.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
+    engine.add_argument("--no-prefix-caching", action="store_true", default=_env("no_prefix_caching") == "1",
+                        help="prefill every prompt whole instead of reusing cached KV blocks of earlier requests")
     engine.add_argument("--prefill-graph-buckets", default=_env("prefill_graph_buckets"),
                         type=lambda v: () if v in ("", "off") else tuple(int(x) for x in v.split(",") if x),
                         help="comma-separated token counts: whole prompts packed up to one of these replay "
                              "a CUDA graph ('off': always eager; default 128,256,...,4096 on a GPU)")
-    engine.add_argument("--compile", action="store_true", default=_env("compile") == "1",
-                        help="torch.compile the decode step before capturing its graphs")
     engine.add_argument("--api-workers", type=api_workers_arg, default=_env("api_workers", "auto"),
                         help="HTTP worker processes in front of the one engine process; queue limits apply "
                              "per worker (default auto: on a GPU one per 4 CPU cores, at most 4; on the CPU 1)")
@@ -147,8 +147,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
     if args.no_cuda_graphs:
         options["cuda_graphs"] = False
-    if args.compile:
-        options["compile"] = True
+    if args.no_prefix_caching:
+        options["prefix_caching"] = False
     if args.prefill_graph_buckets is not None:
         options["prefill_graph_buckets"] = args.prefill_graph_buckets   # argparse parses a string default too
     return options

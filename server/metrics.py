@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "llm"
 
@@ -38,6 +38,7 @@ class EngineStatsCollector:
             return
         stats = engine.stats()
         total, used = int(stats.kv_blocks_total), int(stats.kv_blocks_used)
+        cached = int(getattr(stats, "kv_blocks_cached", 0))
         for name, doc, value in (
             ("num_requests_running", "Requests being decoded.", stats.running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", stats.waiting),
@@ -45,8 +46,18 @@ class EngineStatsCollector:
             ("kv_cache_blocks_used", "KV cache blocks in use.", used),
             ("kv_cache_usage_ratio", "Share of the KV cache blocks in use (0..1).",
              used / total if total else 0.0),
+            ("kv_cache_blocks_cached", "KV cache blocks holding a cached prefix that no request holds.", cached),
+            ("kv_cache_cached_ratio", "Share of the KV cache blocks holding a cached prefix no request holds (0..1).",
+             cached / total if total else 0.0),
         ):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        for name, doc, value in (
+            ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
+             getattr(stats, "prefix_cache_queries", 0)),
+            ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.",
+             getattr(stats, "prefix_cache_hits", 0)),
+        ):
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
 
 
 class Metrics:

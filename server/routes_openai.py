@@ -44,7 +44,8 @@ def openai_sampling(engine, body: SamplingFields, max_new_tokens: int, logprobs:
 
 def usage(finish: FinishEvent) -> dict:
     return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
-            "total_tokens": finish.prompt_tokens + finish.completion_tokens}
+            "total_tokens": finish.prompt_tokens + finish.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": finish.cached_tokens}}
 
 
 def visible(tokens: list[TokenEvent]) -> list[TokenEvent]:

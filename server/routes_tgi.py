@@ -89,7 +89,8 @@ async def tgi_stream(gen: Generation, prefix: str) -> AsyncIterator[bytes]:
                 "generated_text": prefix + finish.text,
                 "details": {"finish_reason": FINISH_REASONS[finish.reason],
                             "generated_tokens": finish.completion_tokens,
-                            "seed": gen.params.seed, "input_length": finish.prompt_tokens},
+                            "seed": gen.params.seed, "input_length": finish.prompt_tokens,
+                            "cached_tokens": finish.cached_tokens},
                 "top_tokens": None})
             return
     except Exception:
@@ -122,6 +123,7 @@ async def run_generate(body: GenerateRequest, request: Request, engine, services
     if params.details:
         answer["details"] = {"finish_reason": FINISH_REASONS[finish.reason],
                              "generated_tokens": finish.completion_tokens, "seed": sampling.seed,
+                             "cached_tokens": finish.cached_tokens,
                              "prefill": [], "tokens": [token_json(t) for t in gen.tokens]}
     return JSONResponse(answer)
 

@@ -168,6 +168,7 @@ class Details(BaseModel):
     finish_reason: Literal["length", "eos_token", "stop_sequence", "abort", "error"]
     generated_tokens: int
     seed: int | None
+    cached_tokens: int = Field(0, description="Prompt tokens whose KV came from the prefix cache.")
     prefill: list[Token] = []
     tokens: list[Token]
 
@@ -182,6 +183,7 @@ class StreamDetails(BaseModel):
     generated_tokens: int
     seed: int | None
     input_length: int
+    cached_tokens: int = Field(0, description="Prompt tokens whose KV came from the prefix cache.")
 
 
 class StreamResponse(BaseModel):

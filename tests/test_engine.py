@@ -307,7 +307,7 @@ def test_decode_metadata_rows_and_padding(tiny):
     from server.engine.sequence import Sequence
     runner = ModelRunner(tiny, EngineConfig(max_batch=8, num_blocks=64, block_size=4), max_model_len=64)
     rng = random.Random(7)
-    runner.sampled[:] = torch.arange(100, 108, dtype=torch.int32)
+    runner.pipeline.sampled[:] = torch.arange(100, 108, dtype=torch.int32)
     seqs, sources = [], []
     for i in range(5):
         seq = Sequence(f"s{i}", [rng.randrange(3, 900) for _ in range(rng.randint(1, 20))], SamplingParams(), 0)
@@ -321,9 +321,9 @@ def test_decode_metadata_rows_and_padding(tiny):
     for seq in full:
         seq.block_table = list(range(50, 60))
     for _ in range(2):                                 # both host buffers hold stale rows now
-        runner._load_decode_metadata(full, [-1] * 8, 8)
+        runner.pipeline.load(full, [-1] * 8, 8)
     rows = 8                                           # a bucket larger than the batch: 3 padding rows
-    runner._load_decode_metadata(seqs, sources, rows)
+    runner.pipeline.load(seqs, sources, rows)
     width = max(len(s.block_table) for s in seqs)
     for i in range(rows):
         if i < len(seqs):

@@ -33,8 +33,8 @@ def test_several_block_sizes_run_interleaved_with_pools_of_equal_tokens(tmp_path
     assert calls == [(16, 1), (32, 1), (16, 2), (32, 2), (16, 2), (32, 2)]
     result = json.loads(out.read_text())
     # 2 x (8 + 4 + 32) = 88 tokens, in whole blocks of 16 and of 32: 96 each
-    assert result["engines"] == {"ours": {"block_size": 16, "kv_pool_tokens": 96},
-                                 "ours_bs32": {"block_size": 32, "kv_pool_tokens": 96}}
+    assert {name: (e["block_size"], e["kv_pool_tokens"]) for name, e in result["engines"].items()} == \
+        {"ours": (16, 96), "ours_bs32": (32, 96)}
     row = result["ours"][0]
     assert row["ours_tok_per_s"] > 0 and row["ours_bs32_tok_per_s"] > 0
     assert {name: len(runs) for name, runs in row["runs_s"].items()} == {"ours": 2, "ours_bs32": 2}
@@ -45,3 +45,38 @@ def test_refuses_a_block_size_named_twice(capsys):
         engine_bench.main(["--model", "random:tiny", "--device", "cpu", "--block-size", "16", "16"])
     assert exit_info.value.code == 2
     assert "--block-size" in capsys.readouterr().err
+
+
+def test_shared_prefix_with_caching_on_and_off_and_new_prompts_every_round(tmp_path, monkeypatch):
+    seen = []
+    run_ours = engine_bench.run_ours
+
+    def recording(core, prompts, new_tokens):
+        seen.append((core.blocks.prefix_caching, prompts))
+        return run_ours(core, prompts, new_tokens)
+
+    monkeypatch.setattr(engine_bench, "run_ours", recording)
+    out = tmp_path / "bench.json"
+    engine_bench.main(["--model", "random:tiny", "--device", "cpu", "--batch", "3", "--prompt-len", "8",
+                       "--shared-prefix", "40", "--new-tokens", "4", "--hf", "--repeats", "2", "--block-size", "16",
+                       "--prefix-caching", "on", "off", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["engines"]["ours"]["prefix_caching"] is True
+    assert result["engines"]["ours_nocache"]["prefix_caching"] is False
+    assert result["engines"]["ours"]["prefix_cache_hit_share"] > 0.4
+    assert result["engines"]["ours_nocache"]["prefix_cache_hit_share"] == 0
+    row = result["ours"][0]
+    assert (row["prompt_len"], row["shared_prefix"]) == (48, 40) and row["ours_nocache_tok_per_s"] > 0
+    timed = [prompts for _, prompts in seen[2:]]               # after one warm-up per engine
+    assert [caching for caching, _ in seen] == [True, False] * 3
+    prefix = timed[0][0][:40]
+    assert all(len(p) == 48 and p[:40] == prefix for prompts in timed for p in prompts)
+    assert timed[0] == timed[1] and timed[2] == timed[3]       # both engines get the round's prompts
+    assert timed[0] != timed[2]                                # and every round new ones
+
+
+def test_refuses_a_caching_setting_named_twice(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        engine_bench.main(["--model", "random:tiny", "--device", "cpu", "--prefix-caching", "on", "on"])
+    assert exit_info.value.code == 2
+    assert "--prefix-caching" in capsys.readouterr().err

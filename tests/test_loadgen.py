@@ -263,7 +263,8 @@ def _fake_app(state):
                 if i == n - 1:
                     event["generated_text"] = "".join(f" w{j}" for j in range(n))
                     event["details"] = {"finish_reason": "length", "input_length": len(body["inputs"].split()),
-                                        "generated_tokens": n + state["misreport"]}
+                                        "generated_tokens": n + state["misreport"],
+                                        "cached_tokens": len(body["inputs"].split()) // 2}
                 yield sse(event)
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -358,6 +359,41 @@ def test_concurrency_sweep_against_a_fake_server(fake_server, tmp_path):
     assert "| concurrency | requests ok | req/s | output tok/s | engine tok/s (batch = c) |" in md
     assert "| 4 | 8/8 |" in md and "**no**" in md and "goodput" in md
     assert "![throughput](throughput.png)" in md
+
+
+def test_shared_prefix_and_multi_turn_prompts_and_the_cached_share(fake_server, tmp_path):
+    base_url, state = fake_server
+    state["tgi_bodies"].clear()
+    rc = _run(base_url, tmp_path / "shared", "--concurrency", "2", "--num-prompts", "4", "--shared-prefix", "40",
+              "--no-plots")
+    assert rc == 0
+    inputs = [b["inputs"] for b in state["tgi_bodies"]]
+    assert len(inputs) == 5                                    # the warm-up and four requests
+    prefix = inputs[0].split()[:30]                            # ~40 tokens: 30 words at 1.3 tokens a word
+    assert all(text.split()[:30] == prefix for text in inputs)
+    assert len({text for text in inputs}) == 5                 # then each its own
+    doc = _load(tmp_path / "shared")
+    assert doc["config"]["shared_prefix"] == 40
+    assert doc["levels"][0]["summary"]["cached_prompt_share"] == pytest.approx(0.5, abs=0.05)
+    md = (tmp_path / "shared" / "report.md").read_text()
+    assert "the same 40 tokens" in md and "prompt tokens cached" in md
+
+    state["tgi_bodies"].clear()
+    rc = _run(base_url, tmp_path / "chat", "--concurrency", "2", "--num-prompts", "6", "--multi-turn", "3",
+              "--no-plots")
+    assert rc == 0
+    turns = [b["inputs"] for b in state["tgi_bodies"][1:]]    # after the warm-up
+    answer = "".join(f" w{i}" for i in range(6))
+    firsts = [t for t in turns if answer not in t]
+    assert len(firsts) == 2                                    # two conversations of three turns
+    for first in firsts:
+        second = next(t for t in turns if t.startswith(first + answer + "\n\n") and t.count(answer) == 1)
+        assert any(t.startswith(second + answer + "\n\n") and t.count(answer) == 2 for t in turns)
+    doc = _load(tmp_path / "chat")
+    (level,) = doc["levels"]
+    assert level["summary"]["completed"] == 6
+    assert sorted(r["prompt_len"] for r in level["requests"])[-1] > 2 * 24
+    assert "conversations of 3 turns" in (tmp_path / "chat" / "report.md").read_text()
 
 
 def test_request_rate_mode_with_openai_completions(fake_server, tmp_path):
@@ -459,6 +495,17 @@ def test_against_the_live_server_on_the_embedded_model(live_server, tmp_path, ba
     assert _metric(live_server, "llm_prompt_tokens_total") - prompt_before == 8 * 16
     md = (tmp_path / "report.md").read_text()
     assert "| 4 | 8/8 |" in md and "8 of those match the tokens streamed" in md
+
+
+@pytest.mark.slow
+def test_a_shared_prefix_is_served_from_the_live_servers_cache(live_server, tmp_path):
+    rc = loadgen.main(["--base-url", live_server, "--concurrency", "1", "--num-prompts", "3", "--input-len", "16",
+                       "--output-len", "2", "--shared-prefix", "300", "--warmup", "1", "--no-progress", "--no-plots",
+                       "--strict", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    level = _load(tmp_path)["levels"][0]
+    assert all(r["cached_tokens_reported"] >= 256 for r in level["requests"])    # two blocks of 128
+    assert level["summary"]["cached_prompt_share"] > 0.7
 
 
 @pytest.mark.slow

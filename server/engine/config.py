@@ -19,8 +19,8 @@ class EngineConfig:
     max_waiting_requests: int = 1024         # queue bound: admission answers QueueFullError past it
     max_waiting_tokens: int = 4_000_000      # queue bound in prompt + max_new tokens
     cuda_graphs: bool = True
+    prefix_caching: bool = True              # full KV blocks of earlier requests serve later ones
     fused_layers: bool = True                # Llama models run models.FusedLlama (else transformers' layers)
-    compile: bool = False                    # torch.compile the decode step before graph capture
     graph_buckets: tuple[int, ...] | None = None   # decode batch sizes captured; None: 1, 2, 4, ... max_batch
     # Whole prompts, up to prefill_graph_max_seqs of them and these many tokens in all, are
     # prefilled packed and padded to the next bucket, replayed from CUDA graphs on a GPU (eagerly

@@ -22,7 +22,8 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .params import FinishEvent, SamplingParams, TokenEvent
-from .sampler import SamplingRows, sample
+from .pipeline import Sampled
+from .sampler import SamplingRows
 from .scheduler import PrefillStep, Scheduler
 from .sequence import Sequence, Status
 
@@ -72,6 +73,9 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_used: int
     preemptions: int
+    kv_blocks_cached: int = 0            # blocks holding a cached prefix that no request holds
+    prefix_cache_queries: int = 0        # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0           # of those, found there
 
 
 @dataclass(frozen=True)
@@ -87,36 +91,6 @@ class ModelInfo:
 Publish = Callable[[list[tuple[str, object]], EngineStats], None]
 
 
-class Inflight:
-    """A step's sampled tokens on their way to the host (one copy per step, into pinned memory)."""
-
-    def __init__(self, seqs, host: torch.Tensor, count: int, with_logprobs: bool, done):
-        self.seqs, self._host, self._count, self._with_logprobs, self._done = seqs, host, count, with_logprobs, done
-
-    @classmethod
-    def launch(cls, seqs, ids: torch.Tensor, logprobs: torch.Tensor | None, host: torch.Tensor,
-               done: torch.cuda.Event | None) -> "Inflight":
-        """Starts the copy into pinned ``host``; ``done`` (an event, on a GPU) marks its end."""
-        packed = ids.double() if logprobs is None else torch.cat([ids.double(), logprobs.double()])
-        host[:packed.shape[0]].copy_(packed, non_blocking=True)
-        if done is not None:
-            done.record()
-        return cls(seqs, host, ids.shape[0], logprobs is not None, done)
-
-    def wait(self) -> float:
-        """Blocks until the copy has landed; returns the seconds spent waiting."""
-        if self._done is None:
-            return 0.0
-        started = time.monotonic()
-        self._done.synchronize()
-        return time.monotonic() - started
-
-    def read(self) -> tuple[list[int], list[float] | None]:
-        n = self._count
-        values = self._host[:2 * n if self._with_logprobs else n].tolist()
-        return [int(v) for v in values[:n]], (values[n:] if self._with_logprobs else None)
-
-
 class EngineCore:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, publish: Publish):
         self.config = config
@@ -127,20 +101,23 @@ class EngineCore:
         self.publish = publish
         started = time.monotonic()
         self.runner = ModelRunner(loaded, config, self.max_model_len)
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching,
+                                   salt=f"{loaded.name}|{loaded.dtype}")
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens, self.max_model_len,
                                    config.prefill_delay_steps)
-        pinned = loaded.device.type == "cuda"
-        # two buffers for decode steps taking turns, one for prefills; each with its copy's event
-        self._readback = [(torch.zeros(2 * config.max_batch, dtype=torch.float64, pin_memory=pinned),
-                           torch.cuda.Event() if pinned else None) for _ in range(3)]
-        self._inflight: Inflight | None = None
         self.steps = 0
         self.step_stats = StepStats()
         self.info = ModelInfo(loaded.name, self.max_model_len, self.runner.kv_tokens, config.block_size,
                               self.blocks.num_blocks)
         if loaded.device.type == "cuda":
             self._warm_up()
+        graphs = self.runner.prefill_graphs
+        if config.prefix_caching:
+            log.info("prefix caching on (--no-prefix-caching turns it off)%s",
+                     f"; a prefill after a cached prefix replays a graph up to {graphs.key_row_buckets[-1]} "
+                     "key rows, and runs eagerly past that" if graphs is not None else "")
+        else:
+            log.info("prefix caching off")
         log.info("KV pool: %d blocks of %d tokens (%d tokens); graph buckets %s, captured in %.1f s; "
                  "engine ready in %.1f s", self.blocks.num_blocks, config.block_size, self.runner.kv_tokens,
                  sorted(self.runner.graphs) or "none", self.runner.capture_seconds, time.monotonic() - started)
@@ -160,12 +137,14 @@ class EngineCore:
             self.step()
         for seq in list(itertools.chain(self.scheduler.running, self.scheduler.waiting)):
             self._finish(seq, "abort")             # only if the pool could not hold them
-        self._inflight = None
+        self.runner.pipeline.drop()
         self.steps = 0
+        self.blocks.query_tokens = self.blocks.hit_tokens = 0
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           self.blocks.num_blocks, self.blocks.num_used, self.scheduler.preemptions)
+        b = self.blocks
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), b.num_blocks, b.num_used,
+                           self.scheduler.preemptions, b.num_cached_idle, b.query_tokens, b.hit_tokens)
 
     def run(self, inbox) -> None:
         """Steps until a ``("stop", None)`` message. Inbox messages:
@@ -200,13 +179,13 @@ class EngineCore:
             except Exception as exc:
                 failures += 1
                 log.exception("engine step failed (%d in a row)", failures)
-                self._inflight = None
+                self.runner.pipeline.drop()
                 self.fail_all(f"{type(exc).__name__}: {exc}")
                 if failures >= MAX_FAILED_STEPS:
                     raise
 
     def busy(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        return self.scheduler.has_work() or self.runner.pipeline.busy
 
     def run_until_idle(self) -> None:
         """Steps until every request has finished (offline use: benchmarks, batch jobs)."""
@@ -234,64 +213,37 @@ class EngineCore:
     def step(self) -> list[tuple[str, object]]:
         """One model step; returns the (request id, event) pairs that became known.
 
-        A decode step is launched before the previous decode's tokens are read back, so the
-        host's bookkeeping (finish checks, events) overlaps the GPU's next step;
-        the next step reads its input tokens from the device. Prefills, and batches that need
-        every earlier token on the host, first wait for the step in flight."""
+        A decode step is launched before the previous decode's tokens are read back (the model
+        runner's ``pipeline``), so the host's bookkeeping overlaps the device's next step.
+        Prefills, and batches that need every earlier token on the host, first wait for the step
+        in flight."""
         events = []
         if self.scheduler.needs_sync() or self.scheduler.prefill_turn():
-            events += self._complete_inflight()
+            events += self._emit(self.runner.pipeline.drain())
         work = self.scheduler.schedule()
         if work is None:
-            return events + self._complete_inflight()
+            return events + self._emit(self.runner.pipeline.drain())
         self.steps += 1
         if isinstance(work, PrefillStep):
-            self.step_stats.prefill_steps += 1
-            self.step_stats.prompt_tokens += sum(take for _, take in work.chunks)
             return events + self._prefill(work)
         self.step_stats.decode_steps += 1
         self.step_stats.generated += len(work.seqs)
-        inflight = self._inflight
-        rows_before = {id(seq): row for row, seq in enumerate(inflight.seqs)} if inflight else {}
-        sources = [rows_before[id(seq)] if seq.pending else -1 for seq in work.seqs]
-        logits = self.runner.decode(work.seqs, sources)
-        ids, logprobs = sample(logits, self._sampling_rows(work.seqs))
-        self.runner.keep_sampled(ids)
-        for seq in work.seqs:
-            seq.num_cached = seq.total_len
-            seq.pending += 1
-        self._inflight = Inflight.launch(work.seqs, ids, logprobs, *self._readback[self.steps % 2])
-        if inflight is not None:
-            events += self._emit(inflight.seqs, *self._read(inflight))
-        return events
-
-    def _read(self, inflight: Inflight):
-        self.step_stats.device_wait_s += inflight.wait()
-        return inflight.read()
-
-    def _complete_inflight(self) -> list:
-        inflight, self._inflight = self._inflight, None
-        return self._emit(inflight.seqs, *self._read(inflight)) if inflight else []
+        return events + self._emit(self.runner.decode_step(work.seqs, self._sampling_rows(work.seqs)))
 
     def _prefill(self, work: PrefillStep) -> list:
+        self.step_stats.prefill_steps += 1
+        self.step_stats.prompt_tokens += sum(take for _, take in work.chunks)
         for seq, _ in work.chunks:
             self._mark_scheduled(seq)
-        logits = self.runner.prefill(work.chunks)
-        ready = []
-        for row, (seq, take) in enumerate(work.chunks):
+        ready = [i for i, (seq, take) in enumerate(work.chunks) if take == seq.prefill_remaining]
+        sampled = self.runner.prefill_step(work.chunks, ready,
+                                           self._sampling_rows([work.chunks[i][0] for i in ready]))
+        for seq, take in work.chunks:
             seq.num_cached += take
-            if seq.prefill_remaining == 0:
-                self.scheduler.prefill_done(seq)
-                ready.append((row, seq))
-        if not ready:
-            return []
-        seqs = [s for _, s in ready]
-        if len(ready) < len(work.chunks):
-            logits = logits[torch.tensor([r for r, _ in ready], device=logits.device)]
-        ids, logprobs = sample(logits, self._sampling_rows(seqs))
-        for seq in seqs:
-            seq.pending += 1
-        return self._emit(seqs, *self._read(Inflight.launch(seqs, ids, logprobs, *self._readback[2])))
+            self.blocks.commit(seq)
+        for i in ready:
+            self.scheduler.prefill_done(work.chunks[i][0])
+        return self._emit(sampled)
 
     def _sampling_rows(self, seqs) -> SamplingRows:
         return SamplingRows(
@@ -305,11 +257,13 @@ class EngineCore:
             want_logprobs=any(s.params.logprobs for s in seqs),
         )
 
-    def _emit(self, seqs, token_ids, token_logprobs) -> list[tuple[str, object]]:
+    def _emit(self, sampled: Sampled | None) -> list[tuple[str, object]]:
         """Apply read-back tokens; sequences that ended meanwhile (an abort, say) drop theirs.
         Events carry token ids only: the front end turns them into text (``output.py``)."""
-        for seq in seqs:
-            seq.pending -= 1
+        if sampled is None:
+            return []
+        seqs, token_ids, token_logprobs, waited = sampled
+        self.step_stats.device_wait_s += waited
         now = time.monotonic()
         events = []
         for i, seq in enumerate(seqs):
@@ -320,29 +274,32 @@ class EngineCore:
 
     def _append_token(self, seq: Sequence, token: int, logprob, now: float):
         seq.append(token)
+        cached = None
         if seq.first_token is None:
             seq.first_token = now
+            cached = seq.cached_tokens or 0
         reason = None
         eos = token in self.eos_ids
         if eos and not seq.params.ignore_eos:
             reason = "eos"
         elif len(seq.output_ids) >= seq.params.max_new_tokens or seq.length >= self.max_model_len:
             reason = "length"
-        event = TokenEvent(token, "", logprob, eos or token in self.special_ids, now, reason is not None)
+        event = TokenEvent(token, "", logprob, eos or token in self.special_ids, now, reason is not None, cached)
         if reason is None:
             return ((seq.request_id, event),)
         return (seq.request_id, event), (seq.request_id, self._finish(seq, reason))
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> FinishEvent:
         self._mark_scheduled(seq)
-        self.scheduler.remove(seq)
+        self.scheduler.remove(seq, keep_cache=reason != "error")
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         now = time.monotonic()
         timings = {"queue": (seq.first_scheduled or now) - seq.arrival,
                    "ttft": (seq.first_token - seq.arrival) if seq.first_token else None,
                    "total": now - seq.arrival}
-        return FinishEvent(reason, "", len(seq.prompt_ids), len(seq.output_ids), error, timings)
+        return FinishEvent(reason, "", len(seq.prompt_ids), len(seq.output_ids), error, timings,
+                           seq.cached_tokens or 0)
 
     def fail_all(self, message: str) -> None:
         seqs = list(itertools.chain(self.scheduler.running, self.scheduler.waiting))

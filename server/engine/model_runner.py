@@ -1,13 +1,12 @@
 """Runs model steps over the paged KV cache: prefill chunks, and decode steps replayed from
 CUDA graphs captured per batch-size bucket.
 
-All decode metadata goes to the device in one copy from a pinned host buffer; padded rows of a
-bucket carry slot -1 (they write nothing) and length 1. The KV pool, the split workspace and
-every static buffer are allocated once here.
+A decode step's metadata goes to the device in one copy (``pipeline.py`` owns that protocol and
+the read-back of the sampled ids); padded rows of a bucket carry slot -1 (they write nothing) and
+length 1. The KV pool, the split workspace and every static buffer are allocated once here.
 """
 
 import functools
-import itertools
 import logging
 import time
 
@@ -19,7 +18,9 @@ from models import AttentionBatch, FusedLlama, LoadedModel, forward_logits, fuse
 
 from .config import EngineConfig
 from .graphs import capture_graphs
-from .prefill_graphs import PrefillGraphs
+from .pipeline import DecodeInputs, Sampled, StepPipeline
+from .prefill_graphs import PrefillGraphs, key_rows
+from .sampler import SamplingRows, sample
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class ModelRunner:
 
         if self.device.type == "cuda":
             from kernels import ops
-            ops.load(self.device)              # build before any compile or capture traces the op
+            ops.load(self.device)              # build before any capture traces the op
         self.workspace = kernels.Workspace(self.max_batch, self.num_q_heads, self.head_dim, max_model_len,
                                            self.device, num_kv_heads=self.num_kv_heads)
         self.num_blocks = config.num_blocks or self._blocks_from_memory(config)
@@ -57,18 +58,14 @@ class ModelRunner:
                           for _ in range(self.num_layers)]
         self._init_decode_buffers()
         self.forward = self._pick_forward(config)
-        self._decode_model = self.forward
-        if config.compile and self.device.type == "cuda":
-            # one dynamic-shape compile for every bucket, whose kernels the graphs below capture (on the
-            # H200 it did not finish within 130 s with the fused layers, hence off by default; README)
-            self._decode_model = torch.compile(self.forward, dynamic=True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.prefill_graphs = None
         prefill_buckets = config.prefill_buckets(self.device.type == "cuda")
         if prefill_buckets:
             self.prefill_graphs = PrefillGraphs(self.forward, self.kv_caches, prefill_buckets,
-                                                config.prefill_graph_max_seqs, self.device)
+                                                config.prefill_graph_max_seqs, self.block_size, self.device,
+                                                self.kv_tokens)
         if self.device.type == "cuda" and config.cuda_graphs:
             self.capture(config.buckets())
             if self.prefill_graphs is not None:
@@ -104,73 +101,24 @@ class ModelRunner:
                                f"for the KV pool, less than one {self.max_model_len}-token sequence")
         return budget // per_block
 
-    # ---- decode metadata ------------------------------------------------------------------
+    # ---- decode inputs ---------------------------------------------------------------------
 
     def _init_decode_buffers(self):
-        n, pin = self.max_batch, self.device.type == "cuda"
-        # One packed int32 host buffer, one copy per step:
-        # ids | source rows | positions | slots | lengths | block table (rows x widest table)
-        # Two host buffers taking turns: one is rewritten while the other's copy may be pending.
-        self._hosts = [torch.zeros(5 * n + n * self.max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
-                       for _ in range(2)]
-        self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None   # each buffer's copy is done
-        self._turn = 0
-        self._packed = torch.zeros_like(self._hosts[0], device=self.device)
+        n = self.max_batch
         self.input_ids = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
         self.positions = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
         self.slots = torch.full((n,), -1, dtype=torch.int32, device=self.device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=self.device)
         self.block_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
-        self.sampled = torch.zeros(n, dtype=torch.int32, device=self.device)   # last decode's tokens
-
-    def keep_sampled(self, ids: torch.Tensor) -> None:
-        """Keeps a decode step's sampled ids on the device: the next step reads its inputs here."""
-        self.sampled[:ids.shape[0]].copy_(ids)
-
-    def _load_decode_metadata(self, seqs, sources, rows: int) -> None:
-        """Fill the static buffers' first ``rows`` rows for ``seqs``; the rest are padding.
-        ``sources[i]`` is the row of the previous decode whose sampled token is row i's input
-        (still on the device), or -1 when the host knows the input token."""
-        n, bs = self.max_batch, self.block_size
-        width = max(len(s.block_table) for s in seqs)
-        self._turn ^= 1
-        host = self._hosts[self._turn]
-        if self._copied is not None:
-            self._copied[self._turn].synchronize()          # returns at once if never recorded
-        h = host.numpy()
-        ids, src, pos = h[0:rows], h[n:n + rows], h[2 * n:2 * n + rows]
-        slots, lens = h[3 * n:3 * n + rows], h[4 * n:4 * n + rows]
-        table = h[5 * n:5 * n + rows * width].reshape(rows, width)
-        b = len(seqs)
-        ids[b:], src[b:], pos[b:], slots[b:], lens[b:], table[b:] = 0, -1, 0, -1, 1, 0   # padding rows
-        # whole columns from Python lists, the ragged block tables as one flat padded sequence
-        pos[:b] = [s.total_len - 1 for s in seqs]
-        lens[:b] = pos[:b] + 1
-        src[:b] = sources
-        ids[:b] = [(s.output_ids[-1] if s.output_ids else s.prompt_ids[-1]) if k < 0 else 0
-                   for s, k in zip(seqs, sources)]
-        pad = [0] * width
-        padded = itertools.chain.from_iterable(s.block_table + pad[len(s.block_table):] for s in seqs)
-        table[:b] = np.fromiter(padded, dtype=np.int32, count=b * width).reshape(b, width)
-        slots[:b] = table[np.arange(b), pos[:b] // bs] * bs + pos[:b] % bs
-        count = 5 * n + rows * width
-        self._packed[:count].copy_(host[:count], non_blocking=True)
-        if self._copied is not None:
-            self._copied[self._turn].record()
-        d = self._packed
-        from_device = d[n:n + rows]
-        self.input_ids[:rows, 0] = torch.where(from_device >= 0, self.sampled[from_device.clamp(min=0)], d[0:rows])
-        self.positions[:rows, 0].copy_(d[2 * n:2 * n + rows])
-        self.slots[:rows].copy_(d[3 * n:3 * n + rows])
-        self.seq_lens[:rows].copy_(d[4 * n:4 * n + rows])
-        self.block_tables[:rows, :width].copy_(d[5 * n:5 * n + rows * width].view(rows, width))
+        self.pipeline = StepPipeline(DecodeInputs(self.input_ids, self.positions, self.slots, self.seq_lens,
+                                                  self.block_tables), self.block_size, self.device)
 
     def _decode_batch(self, rows: int) -> AttentionBatch:
         return AttentionBatch(self.kv_caches, self.slots[:rows], self.block_tables[:rows],
                               self.seq_lens[:rows], is_decode=True, workspace=self.workspace)
 
     def _decode_forward(self, rows: int) -> torch.Tensor:
-        return self._decode_model(self.input_ids[:rows], self.positions[:rows], self._decode_batch(rows))
+        return self.forward(self.input_ids[:rows], self.positions[:rows], self._decode_batch(rows))
 
     # ---- CUDA graphs ----------------------------------------------------------------------
 
@@ -188,12 +136,34 @@ class ModelRunner:
     # ---- steps ----------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def decode_step(self, seqs, rows: SamplingRows) -> Sampled | None:
+        """One decode step of ``seqs``, inputs taken from the step in flight where they are still on
+        the device, sampled and sent to the host; returns the previous decode step's ids."""
+        logits = self.decode(seqs, self.pipeline.sources(seqs))
+        ids, logprobs = sample(logits, rows)
+        for seq in seqs:
+            seq.num_cached = seq.total_len
+        return self.pipeline.launch(seqs, ids, logprobs)
+
+    @torch.inference_mode()
+    def prefill_step(self, chunks, ready: list[int], rows: SamplingRows) -> Sampled | None:
+        """Runs prompt chunks; samples the first token of the chunks at indices ``ready`` (those
+        that complete their prompt) and reads it back at once."""
+        logits = self.prefill(chunks)
+        if not ready:
+            return None
+        if len(ready) < len(chunks):
+            logits = logits[torch.tensor(ready, device=logits.device)]
+        ids, logprobs = sample(logits, rows)
+        return self.pipeline.read_now([chunks[i][0] for i in ready], ids, logprobs)
+
+    @torch.inference_mode()
     def decode(self, seqs, sources=None) -> torch.Tensor:
         """Logits [len(seqs), vocab] for the next token of each sequence (see
-        ``_load_decode_metadata`` for ``sources``)."""
+        ``StepPipeline.load`` for ``sources``)."""
         batch = len(seqs)
         bucket = self.bucket_for(batch)
-        self._load_decode_metadata(seqs, sources or [-1] * batch, bucket or batch)
+        self.pipeline.load(seqs, sources or [-1] * batch, bucket or batch)
         if bucket is None:
             return self._decode_forward(batch)
         graph, logits = self.graphs[bucket]
@@ -210,10 +180,10 @@ class ModelRunner:
         (the caller keeps only those of sequences whose prompt is now complete)."""
         graphs = self.prefill_graphs
         if graphs is not None:
-            length = graphs.bucket_for(chunks)
-            if length is not None:
-                slots = [slot for seq, take in chunks for slot in self._slots(seq, 0, take)]
-                return graphs.run(chunks, slots, length)
+            shape = graphs.bucket_for(chunks)
+            if shape is not None:
+                slots = [slot for seq, take in chunks for slot in self._slots(seq, seq.num_cached, take)]
+                return graphs.run(chunks, slots, shape)
         return self._prefill_packed(chunks)
 
     def _prefill_packed(self, chunks) -> torch.Tensor:
@@ -233,12 +203,18 @@ class ModelRunner:
             table[i, :len(seq.block_table)] = seq.block_table
             lens.append(seq.num_cached + take)
         to_dev = self._to_device
-        whole_prompts = not any(contexts)
+        on_gpu = self.device.type == "cuda"
+        context = {}
+        if any(contexts) and on_gpu:             # one varlen call over key rows gathered from the cache
+            blocks, offsets, key_starts = key_rows(chunks, self.block_size)
+            context = dict(kv_gather=(to_dev(blocks).long(), to_dev(offsets).long()),
+                           cu_kv_starts=to_dev(key_starts), kv_starts=key_starts,
+                           max_kv_len=max(b - a for a, b in zip(key_starts, key_starts[1:])))
         batch = AttentionBatch(self.kv_caches, to_dev(slots), to_dev(table), to_dev(lens),
                                is_decode=False, workspace=self.workspace,
                                query_starts=starts, context_lens=contexts,
-                               cu_query_starts=to_dev(starts) if whole_prompts else None,
-                               max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
+                               cu_query_starts=to_dev(starts) if on_gpu else None,
+                               max_query_len=max(b - a for a, b in zip(starts, starts[1:])), **context)
         last_rows = to_dev([s - 1 for s in starts[1:]])
         return self.forward(to_dev(ids).unsqueeze(0), to_dev(positions).unsqueeze(0),
                               batch, logits_rows=last_rows)

@@ -26,6 +26,7 @@ class RequestText:
         self.text = ""                   # decoded output so far (cut at a stop string)
         self.emitted = 0                 # characters of text already streamed
         self.tokens = 0                  # tokens streamed (through the one completing a stop string)
+        self.cached_tokens = 0           # prompt tokens the core found in its prefix cache
         self.stopped = False
 
 
@@ -93,6 +94,8 @@ class OutputProcessor:
         state.tokens += 1
         if state.first_token is None:
             state.first_token = event.time
+        if event.cached_tokens is not None:
+            state.cached_tokens = event.cached_tokens
         state.text += delta
         release, state.stopped = state.stops.scan(state.text, state.emitted, len(delta))
         if state.stopped:
@@ -108,4 +111,4 @@ class OutputProcessor:
         """The queueing time is the core's to know; this finish leaves it out."""
         now = time.monotonic()
         timings = {"queue": None, "ttft": max(0.0, state.first_token - state.arrival), "total": now - state.arrival}
-        return FinishEvent("stop", state.text, state.prompt_tokens, state.tokens, None, timings)
+        return FinishEvent("stop", state.text, state.prompt_tokens, state.tokens, None, timings, state.cached_tokens)

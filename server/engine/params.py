@@ -35,6 +35,7 @@ class TokenEvent:
     special: bool = False
     time: float = 0.0                   # time.monotonic() when the engine produced it
     last: bool = False                  # the request's FinishEvent is queued right behind it
+    cached_tokens: int | None = None    # on a request's first token: its prompt tokens found in the prefix cache
 
 
 @dataclass(frozen=True)
@@ -45,3 +46,4 @@ class FinishEvent:
     completion_tokens: int
     error: str | None = None
     timings: dict = field(default_factory=dict)   # seconds: queued, first_token, total
+    cached_tokens: int = 0              # prompt tokens whose KV came from the prefix cache

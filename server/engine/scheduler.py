@@ -9,7 +9,9 @@ prompt, so under many concurrent streams one prefill of eight prompts stalls the
 as one of one prompt (TGI's waiting_served_ratio / max_waiting_tokens). Prefill steps never run
 twice in a row while streams decode, so long prompts, cut into chunks, never stall them. When
 the pool cannot hold the next decode token, the newest running sequence is preempted: its
-blocks are freed and it goes back to the front of the queue to be recomputed later.
+blocks are freed and it goes back to the front of the queue to be recomputed later (with prefix
+caching, from the blocks of it still cached). A sequence's first prefill chunk starts after the
+longest chain of cached blocks matching its tokens (``BlockManager.match``).
 """
 
 from collections import deque
@@ -84,9 +86,16 @@ class Scheduler:
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(chunks) >= self.max_batch:
                 break
+            fresh = not seq.block_table            # nothing computed yet, or preempted since
+            if fresh:
+                seq.num_cached = self.blocks.match(seq)
             take = min(seq.prefill_remaining, budget)
             if not self.blocks.can_grow(seq.block_table, seq.num_cached + take):
+                if fresh:
+                    self.blocks.unmatch(seq)
                 break
+            if seq.cached_tokens is None:
+                seq.cached_tokens = seq.num_cached
             self.blocks.grow(seq.block_table, seq.num_cached + take)
             chunks.append((seq, take))
             budget -= take
@@ -121,17 +130,18 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.release(seq.block_table)
+        self.blocks.free(seq)                    # what it computed stays cached, found again on resume
         seq.num_cached = 0
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and return its blocks to the pool."""
+    def remove(self, seq: Sequence, keep_cache: bool = True) -> None:
+        """Drop a finished or aborted sequence and return its blocks to the pool (what it
+        computed stays cached unless ``keep_cache`` is False: after a failed step)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.release(seq.block_table)
+        self.blocks.free(seq, keep_cache)

@@ -23,6 +23,8 @@ class Sequence:
                                                  # several times per token, a property cost 4x as much
         self.block_table: list[int] = []
         self.num_cached = 0                      # tokens whose K/V are in the cache
+        self.block_keys: list[bytes] = []        # prefix-cache keys of its first full blocks
+        self.cached_tokens: int | None = None    # prompt tokens found in the prefix cache when first scheduled
         self.pending = 0                         # tokens sampled on the device, not yet read back
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None

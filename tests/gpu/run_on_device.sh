@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one command, logs under $OUT and a short table last.
 #
-#   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench] [compile]
-#       [http]
+#   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench]
+#       [http] [prefix]
 #
 # HTTP_WORKER_COUNTS="1 4" runs the HTTP load test once per API worker count (default: the server's auto).
 # (Not API_WORKERS: the server reads that one itself.) LOADGEN_WORKERS: client processes (default 8;
@@ -20,7 +20,7 @@ if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-stages=${*:-tests profile kernel-bench layer-bench engine-bench compile http}
+stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix}
 want() { [[ " $stages " == *" $1 "* ]]; }
 summary=()
 t0=$(date +%s)
@@ -54,11 +54,10 @@ if want engine-bench; then
       --out "$OUT/engine_bench.json" 2>&1 | tee "$OUT/engine_bench.log" | grep -v '^{' | tail -30
   cp "$OUT/engine_bench.json" /tmp/engine_bench.json 2>/dev/null
 fi
-if want compile; then
-  stamp "engine with torch.compile"
-  timeout 240 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m \
-      --batch 1 16 64 256 --hf --repeats 1 --compile --out "$OUT/engine_compile.json" 2>&1 \
-      | tee "$OUT/engine_compile.log" | grep -E 'captured|ready|^\|' | tail -12
+if want prefix; then
+  stamp "prefix caching on and off (tests/gpu/prefix_caching_bench.sh)"
+  timeout 480 bash tests/gpu/prefix_caching_bench.sh "$OUT/prefix" 2>&1 | tee "$OUT/prefix.log" | tail -40
+  summary+=("prefix caching: see $OUT/prefix/summary.md")
 fi
 if want http; then
   engine_json=${ENGINE_JSON:-$OUT/engine_bench.json}

@@ -35,6 +35,35 @@ def teacher_forced_logits(loaded, prompt, continuation, cuda_graphs, fused=True)
     return torch.stack(rows)
 
 
+@torch.inference_mode()
+def teacher_forced_after_a_cached_prefix(loaded, prompt, continuation, fused=True, prefill_graphs=True):
+    """As ``teacher_forced_logits``, the prompt's first full blocks served from the prefix cache of
+    an earlier sequence: its prefill runs only the rest, over the cached keys and values."""
+    runner = ModelRunner(loaded, EngineConfig(max_batch=4, num_blocks=64, block_size=32, graph_buckets=(1, 4),
+                                              fused_layers=fused, prefill_graph_buckets=None if prefill_graphs else ()),
+                         max_model_len=1024)
+    blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching=True)
+    earlier = Sequence("earlier", prompt[:-20] + [7] * 20, SamplingParams(), seed=0)
+    blocks.grow(earlier.block_table, earlier.length)
+    runner.prefill([(earlier, earlier.length)])
+    earlier.num_cached = earlier.length
+    blocks.commit(earlier)
+    seq = Sequence("tf", prompt, SamplingParams(), seed=0)
+    seq.num_cached = blocks.match(seq)
+    assert seq.num_cached == (len(prompt) - 20) // 32 * 32
+    blocks.grow(seq.block_table, seq.length)
+    if prefill_graphs:
+        assert runner.prefill_graphs.bucket_for([(seq, seq.length - seq.num_cached)])[1] > 0
+    rows = [runner.prefill([(seq, seq.length - seq.num_cached)])[0].float()]
+    seq.num_cached = seq.length
+    for token in continuation[:-1]:
+        seq.append(token)
+        blocks.grow(seq.block_table, seq.length)
+        rows.append(runner.decode([seq])[0].float())
+        seq.num_cached = seq.length
+    return torch.stack(rows)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "transformers-layers"])
 @pytest.mark.parametrize("preset", ["smollm2-135m", "llama-gqa128"])
 @torch.inference_mode()
@@ -57,12 +86,59 @@ def test_teacher_forced_logits_within_bf16_error_of_transformers(preset, fused):
     theirs = hf_bf16(full).logits[0, len(prompt) - 1:-1].double()
     del hf_bf16
 
-    ours = teacher_forced_logits(loaded, prompt, continuation, cuda_graphs=True, fused=fused).double()
     their_err = (theirs - exact).abs().max().item()
-    our_err = (ours - exact).abs().max().item()
-    print(f"{preset} fused={fused}: ours {our_err:.3e}, transformers bf16 {their_err:.3e}, |logits| {exact.abs().max():.3e}")
-    assert torch.isfinite(ours).all()
-    assert our_err <= 3 * their_err + 1e-6
+    runs = {"whole prompt": teacher_forced_logits(loaded, prompt, continuation, cuda_graphs=True, fused=fused)}
+    # a cached prefix: the prompt's rest from a prefill graph, and eagerly
+    for graphs in (True, False):
+        runs[f"cached prefix, graphs {graphs}"] = teacher_forced_after_a_cached_prefix(
+            loaded, prompt, continuation, fused=fused, prefill_graphs=graphs)
+    for name, ours in runs.items():
+        our_err = (ours.double() - exact).abs().max().item()
+        print(f"{preset} fused={fused} {name}: ours {our_err:.3e}, transformers bf16 {their_err:.3e}, "
+              f"|logits| {exact.abs().max():.3e}")
+        assert torch.isfinite(ours).all()
+        assert our_err <= 3 * their_err + 1e-6, name
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one-by-one", "packed"])
+@torch.inference_mode()
+def test_prefill_graphs_after_cached_prefixes_match_whole_prompts(together):
+    """Chunks after cached prefixes (replayed graphs over gathered key rows) give the logits of
+    the same prompts prefilled whole, within bf16 rounding."""
+    loaded = load_model("random:smollm2-135m", dtype="bfloat16", device="cuda")
+    rng = random.Random()
+    cases = [(64, 1), (96, 40), (288, 17), (33, 300)]      # (cached-prefix tokens, tokens after them)
+    prompts = [[rng.randrange(10, 40000) for _ in range(a + b)] for a, b in cases]
+
+    runner = ModelRunner(loaded, EngineConfig(max_batch=4, num_blocks=128, block_size=32, graph_buckets=(1,)),
+                         max_model_len=1024)
+    blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching=True)
+    whole = []
+    for i, p in enumerate(prompts):
+        seq = Sequence(f"w{i}", p, SamplingParams(), seed=0)             # the reference, not cached
+        blocks.grow(seq.block_table, seq.length)
+        whole.append(runner.prefill([(seq, seq.length)]).float())
+        a, b = cases[i]
+        earlier = Sequence(f"e{i}", p[:a] + [rng.randrange(10, 40000) for _ in range(b)], SamplingParams(), seed=0)
+        blocks.grow(earlier.block_table, earlier.length)
+        runner.prefill([(earlier, earlier.length)])
+        earlier.num_cached = earlier.length
+        blocks.commit(earlier)                                         # shares p's first a tokens
+    chunks = []
+    for i, p in enumerate(prompts):
+        seq = Sequence(f"c{i}", p, SamplingParams(), seed=0)
+        seq.num_cached = blocks.match(seq)
+        assert seq.num_cached == min(cases[i][0] // 32 * 32, (len(p) - 1) // 32 * 32)
+        blocks.grow(seq.block_table, seq.length)
+        chunks.append((seq, seq.length - seq.num_cached))
+    assert runner.prefill_graphs.bucket_for(chunks)[1] > 0
+    if together:
+        cached = runner.prefill(chunks).float()
+    else:
+        cached = torch.cat([runner.prefill([chunk]).float() for chunk in chunks])
+    whole = torch.cat(whole)
+    assert torch.isfinite(cached).all()
+    assert (cached - whole).norm() / whole.norm() < 2e-2
 
 
 def test_graph_replay_gives_the_eager_tokens():

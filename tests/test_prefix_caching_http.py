@@ -1,0 +1,41 @@
+"""Prefix caching as clients and operators see it, on a live server (caching on by default)."""
+
+import re
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# Long enough for several full KV blocks of the default size (128 tokens).
+SYSTEM = " ".join(f"Rule {i}: answer briefly and politely." for i in range(60))
+
+
+def metric(text: str, name: str) -> float:
+    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+def test_a_repeated_prompt_reports_cached_tokens_everywhere(live_server, model_name):
+    with httpx.Client(base_url=live_server, timeout=120) as client:
+        before = client.get("/metrics").text
+        body = {"model": model_name, "prompt": SYSTEM + " First question?", "max_tokens": 2, "temperature": 0}
+        first = client.post("/v1/completions", json=body).json()["usage"]
+        body["prompt"] = SYSTEM + " Second question?"
+        second = client.post("/v1/completions", json=body).json()["usage"]
+        assert first["prompt_tokens_details"]["cached_tokens"] % 128 == 0
+        cached = second["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 128 and cached % 128 == 0 and cached < second["prompt_tokens"]
+
+        tgi = client.post("/generate", json={"inputs": SYSTEM + " Third question?",
+                                             "parameters": {"max_new_tokens": 2, "details": True}}).json()
+        assert tgi["details"]["cached_tokens"] == cached
+
+        after = client.get("/metrics").text
+        queries = metric(after, "llm_prefix_cache_queries_tokens_total") - \
+            metric(before, "llm_prefix_cache_queries_tokens_total")
+        hits = metric(after, "llm_prefix_cache_hits_tokens_total") - metric(before, "llm_prefix_cache_hits_tokens_total")
+        assert queries >= first["prompt_tokens"] + second["prompt_tokens"]
+        assert hits >= 2 * cached
+        assert 0 < metric(after, "llm_kv_cache_cached_ratio") <= 1
