@@ -3,6 +3,7 @@
 #
 #   git archive BASE | tar -x -C .before       # the code before, beside this checkout
 #   BEFORE=.before OUT=results/before_after bash tests/gpu/before_after.sh
+#   STAGES="build kernel" ... ; STAGES=engine ...     # in parts, on one warm host (same OUT)
 #
 # Both trees' kernels are built first (each in a cache of its own); then the kernel benchmark
 # runs once per tree and the engine benchmark ROUNDS times per tree, alternating, so that drift
@@ -13,6 +14,8 @@ BEFORE=$(cd "${BEFORE:?name the tree of the code before}" && pwd)
 AFTER=$PWD
 OUT=${OUT:-results/before_after}
 ROUNDS=${ROUNDS:-2}
+STAGES=${STAGES:-build kernel engine}
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
@@ -28,18 +31,19 @@ in_tree() {  # in_tree before|after command...
   (cd "$dir" && FLASHDECODE_CACHE=/tmp/flashdecode-$name PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} "$@")
 }
 
-stamp "building both kernels"
-in_tree before python3 -c "from kernels import ops; ops.load()" > "$OUT/build_before.log" 2>&1 &
-in_tree after python3 -c "from kernels import ops; ops.load()" > "$OUT/build_after.log" 2>&1 &
-wait
-tail -3 "$OUT"/build_*.log
-
-for name in before after; do
+if want build; then
+  stamp "building both kernels"
+  in_tree before python3 -c "from kernels import ops; ops.load()" > "$OUT/build_before.log" 2>&1 &
+  in_tree after python3 -c "from kernels import ops; ops.load()" > "$OUT/build_after.log" 2>&1 &
+  wait
+  tail -3 "$OUT"/build_*.log
+fi
+want kernel && for name in before after; do
   stamp "kernel benchmark, $name"
   in_tree $name timeout 300 python3 -m kernels.bench --out "$OUT/kernel_$name" --repeat 3 \
       > "$OUT/kernel_$name.log" 2>&1 || echo "kernel benchmark of $name failed (see kernel_$name.log)"
 done
-for round in $(seq "$ROUNDS"); do
+want engine && for round in $(seq "$ROUNDS"); do
   for name in before after; do
     stamp "engine benchmark, $name, round $round"
     in_tree $name timeout 300 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m \

@@ -64,7 +64,7 @@ if want http; then
   for workers in ${HTTP_WORKER_COUNTS:-auto}; do
     stamp "HTTP load test, $workers API worker(s)"
     timeout 300 python3 -m load_tests.loadgen \
-        --serve "--model random:smollm2-135m --device cuda --prefill-delay-steps ${PREFILL_DELAY_STEPS:-8} --api-workers $workers" \
+        --serve "--model random:smollm2-135m --device cuda --api-workers $workers" \
         --concurrency 1,16,64,256 --input-len 128 --output-len 256 --no-progress --workers ${LOADGEN_WORKERS:-8} \
         --engine-json "$engine_json" --out-dir "$OUT/http_w$workers" 2>&1 | tee "$OUT/http_w$workers.log" | tail -30
     grep -E "tok/s|ready|captured" "$OUT/http_w$workers/server.log" | tail -40
