@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from .engine.params import FinishEvent, SamplingParams, TokenEvent
 from .generation import (SAMPLING_EPS, ClientGone, Generation, Prompt, encode_chat, encode_text,
                          finite_or_none, plan_max_new_tokens, sampling_params, submit)
-from .http_errors import ApiError
+from .http_errors import ApiError, ended_by_shutdown
 from .schemas import (MAX_STOP_SEQUENCES, ErrorResponse, GenerateParameters, GenerateRequest,
                       GenerateResponse, Info, StreamResponse, chat_template_messages)
 from .services import Services, get_services, ready_engine
@@ -59,6 +59,14 @@ async def build_prompt(body: GenerateRequest, engine) -> Prompt:
     return prompt
 
 
+def stream_error(gen: Generation, finish: FinishEvent) -> dict:
+    """The error event that ends a stream the engine could not finish, as TGI sends one."""
+    if finish.reason == "error":
+        return {"error": f"generation failed: {finish.error}", "error_type": "generation"}
+    return {"error": f"the server is shutting down and ended the request after "
+                     f"{finish.completion_tokens} tokens", "error_type": "incomplete_generation"}
+
+
 async def tgi_stream(gen: Generation, prefix: str) -> AsyncIterator[bytes]:
     """One event per token; the last token's event also carries generated_text and details, as
     TGI's does (the engine marks that token, its finish event queued right behind it)."""
@@ -74,9 +82,7 @@ async def tgi_stream(gen: Generation, prefix: str) -> AsyncIterator[bytes]:
                     index += 1
                     yield sse_json({"index": index, "token": token_json(token), "generated_text": None,
                                     "details": None, "top_tokens": None})
-                message = (f"generation failed: {finish.error}" if finish.reason == "error"
-                           else "the request was aborted by the server")
-                yield sse_json({"error": message, "error_type": "generation"})
+                yield sse_json(stream_error(gen, finish))
                 return
             index += 1
             if finish is None:
@@ -117,7 +123,7 @@ async def run_generate(body: GenerateRequest, request: Request, engine, services
     if finish.reason == "error":
         raise ApiError(500, f"generation failed: {finish.error}")
     if finish.reason == "abort":
-        raise ApiError(503, "the request was aborted by the server")
+        raise ended_by_shutdown(finish)
     answer = {"generated_text": prefix + finish.text}
     if params.details:
         answer["details"] = {"finish_reason": FINISH_REASONS[finish.reason],
