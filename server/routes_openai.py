@@ -11,17 +11,23 @@ from .generation import (ClientGone, Generation, Prompt, check_token_ids, decode
                          encode_text, finite_or_none, plan_max_new_tokens, sampling_params, submit)
 from .http_errors import ApiError, ended_by_shutdown, error_body
 from .schemas import OpenAIErrorResponse, chat_template_messages, ignored_fields
-from .schemas_openai import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                             CompletionResponse, ModelCard, ModelList, SamplingFields)
+from .schemas_openai import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                             CompletionChunk, CompletionRequest, CompletionResponse, ModelCard, ModelList,
+                             SamplingFields)
 from .services import Services, get_services, ready_engine
-from .sse import DONE, SSE_RESPONSE_DOC, GenerationEventStream, sse_json
+from .sse import DONE, GenerationEventStream, event_stream_doc, sse_json
 
 log = logging.getLogger("server.openai")
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort", "error": "error"}
 ERRORS = {status: {"model": OpenAIErrorResponse} for status in (400, 401, 404, 413, 422, 429, 500, 503)}
-STREAM_ERRORS = {200: {"content": SSE_RESPONSE_DOC}, **ERRORS}
+
+def streaming(chunk_model) -> dict:
+    """JSON, or with stream=true the chunks, [DONE] at the end (an error event instead, if the
+    engine fails)."""
+    return {200: {"content": event_stream_doc(chunk_model, OpenAIErrorResponse, done=True),
+                  "description": "JSON, or with stream=true server-sent events"}, **ERRORS}
 
 
 def served_names(engine, services: Services) -> set[str]:
@@ -154,7 +160,7 @@ def envelope(gen: Generation, object_name: str, id_prefix: str, model: str) -> C
     return lambda choice: {**base, "choices": [choice] if choice is not None else []}
 
 
-@router.post("/completions", response_model=CompletionResponse, responses=STREAM_ERRORS,
+@router.post("/completions", response_model=CompletionResponse, responses=streaming(CompletionChunk),
              summary="Text completion (OpenAI)")
 async def completions(body: CompletionRequest, request: Request, engine=Depends(ready_engine),
                       services: Services = Depends(get_services)) -> Response:
@@ -200,7 +206,8 @@ async def completions(body: CompletionRequest, request: Request, engine=Depends(
     return JSONResponse({**chunk(choice), "usage": usage(finish)})
 
 
-@router.post("/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_ERRORS,
+@router.post("/chat/completions", response_model=ChatCompletionResponse,
+             responses=streaming(ChatCompletionChunk),
              summary="Chat completion (OpenAI)")
 async def chat_completions(body: ChatCompletionRequest, request: Request, engine=Depends(ready_engine),
                            services: Services = Depends(get_services)) -> Response:

@@ -15,7 +15,7 @@ from .http_errors import ApiError, ended_by_shutdown
 from .schemas import (MAX_STOP_SEQUENCES, ErrorResponse, GenerateParameters, GenerateRequest,
                       GenerateResponse, Info, StreamResponse, chat_template_messages)
 from .services import Services, get_services, ready_engine
-from .sse import SSE_RESPONSE_DOC, GenerationEventStream, sse_json
+from .sse import GenerationEventStream, event_stream_doc, sse_json
 
 log = logging.getLogger("server.tgi")
 router = APIRouter(tags=["TGI"])
@@ -23,6 +23,8 @@ router = APIRouter(tags=["TGI"])
 FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequence",
                   "abort": "abort", "error": "error"}
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 422, 429, 500, 503)}
+# The token events, the last with generated_text and details, or an error event instead of it.
+STREAM_DOC = event_stream_doc(StreamResponse, ErrorResponse)
 
 
 def server_version() -> str:
@@ -133,7 +135,8 @@ async def run_generate(body: GenerateRequest, request: Request, engine, services
 
 
 @router.post("/generate", response_model=GenerateResponse,
-             responses={200: {"content": SSE_RESPONSE_DOC}, **ERRORS},
+             responses={200: {"content": STREAM_DOC, "description": "JSON, or with stream=true "
+                                                                   "server-sent events"}, **ERRORS},
              summary="Generate text (JSON, or server-sent events with stream=true)")
 async def generate(body: GenerateRequest, request: Request, engine=Depends(ready_engine),
                    services: Services = Depends(get_services)) -> Response:
@@ -141,8 +144,8 @@ async def generate(body: GenerateRequest, request: Request, engine=Depends(ready
                               endpoint="generate")
 
 
-@router.post("/generate_stream",
-             responses={200: {"content": SSE_RESPONSE_DOC, "model": StreamResponse}, **ERRORS},
+@router.post("/generate_stream", response_class=Response,
+             responses={200: {"content": STREAM_DOC, "description": "Server-sent events"}, **ERRORS},
              summary="Generate text as server-sent events (the body's `stream` is ignored)")
 async def generate_stream(body: GenerateRequest, request: Request, engine=Depends(ready_engine),
                           services: Services = Depends(get_services)) -> Response:

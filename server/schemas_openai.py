@@ -234,3 +234,49 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------- stream events (documentation)
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = Field(
+        description="Set on the last chunk; 'abort': the server ended the request while shutting down.")
+
+
+class CompletionChunk(BaseModel):
+    """One `data:` event of a streamed /v1/completions; a final `data: [DONE]` follows."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = Field(None, description="With stream_options.include_usage: null on every chunk "
+                                                  "but a last one (empty choices) that counts the tokens; "
+                                                  "with continuous_usage_stats too, on every chunk.")
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = Field(
+        description="Set on the last chunk; 'abort': the server ended the request while shutting down.")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a streamed /v1/chat/completions; a final `data: [DONE]` follows."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="As in CompletionChunk.")
