@@ -172,3 +172,17 @@ def load_model(spec: str = "default", dtype: str | None = None, device: str | to
     max_len = int(getattr(model.config, "max_position_embeddings", 2048))
     log.info("loaded %s (%s, %s) in %.1f s", source.name, torch_dtype, device, time.monotonic() - started)
     return LoadedModel(model, tokenizer, source.name, max_len, device, torch_dtype)
+
+
+def prepare(spec: str = "default") -> Path | None:
+    """Converts the GGUF that ``spec`` names into the cache (an image build does this, so that a
+    container's first start loads in seconds); the folder, or None if ``spec`` needs no conversion."""
+    source = resolve(spec)
+    return converted_gguf_folder(source.path) if source.kind == "gguf" else None
+
+
+if __name__ == "__main__":          # python -m models.loader [SPEC]: convert once, print the folder
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(prepare(sys.argv[1] if len(sys.argv) > 1 else "default"))
