@@ -1,7 +1,8 @@
 """Request and response bodies shared by both APIs, and those of the TGI-style API.
 
-Unknown fields are refused (422 naming them) so that a misspelt option never silently does
-nothing; fields TGI clients send with neutral values (``null``, ``false``) are accepted and
+On the TGI routes unknown fields are refused (422 naming them) so that a misspelt option never
+silently does nothing (the OpenAI routes ignore and log them instead, as vLLM does:
+``schemas_openai.py``); fields TGI clients send with neutral values (``null``, ``false``) are accepted and
 only refused when they ask for something this server does not do.
 """
 
