@@ -23,6 +23,7 @@ router = APIRouter(prefix="/v1", tags=["OpenAI"])
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort", "error": "error"}
 ERRORS = {status: {"model": OpenAIErrorResponse} for status in (400, 401, 404, 413, 422, 429, 500, 503)}
 
+
 def streaming(chunk_model) -> dict:
     """JSON, or with stream=true the chunks, [DONE] at the end (an error event instead, if the
     engine fails)."""
@@ -58,8 +59,8 @@ def warn_ignored(body: SamplingFields, request: Request) -> None:
 
 
 def text_of(token: TokenEvent, tokenizer, skip_special_tokens: bool) -> str:
-    """A token's text; with skip_special_tokens false, a special token shows as itself (the
-    end-of-sequence token that finished the request excepted, as vLLM leaves it out)."""
+    """A token's text; with skip_special_tokens false, a special token shows as itself, except
+    one that ended the request (EOS, a stop token id), which vLLM leaves out too."""
     if skip_special_tokens or not token.special or token.last:
         return token.text
     return tokenizer.convert_ids_to_tokens(token.token_id)

@@ -6,11 +6,9 @@ silently does nothing (the OpenAI routes ignore and log them instead, as vLLM do
 only refused when they ask for something this server does not do.
 """
 
-import math
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator,
-                      model_validator)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 def _encodable(value: str) -> str:
@@ -22,16 +20,10 @@ def _encodable(value: str) -> str:
     return value
 
 
-def _finite(value: Any) -> Any:
-    """JSON's NaN and Infinity (which Python's parser accepts) fail here, before any bound is
-    checked, so that the message says what is wrong with them."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError("must be a finite number, not NaN or Infinity")
-    return value
-
-
 Text = Annotated[str, AfterValidator(_encodable)]
-FiniteFloat = Annotated[float, BeforeValidator(_finite)]
+# JSON's NaN and Infinity (Python's parser takes them) are refused before any bound is checked, so
+# that the message says what is wrong with them ("Input should be a finite number").
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 StopSequence = Annotated[Text, Field(min_length=1, max_length=256)]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 MAX_STOP_SEQUENCES = 16

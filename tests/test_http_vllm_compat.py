@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from server.engine import Engine, SamplingParams
-from server.engine.params import FinishEvent
+from server.engine.params import FinishEvent, TokenEvent
 
 from .helpers import run_all
 from .test_http_app import FakeEngine, client_for, sse_data
@@ -104,22 +104,22 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(path, base):
     assert [c["usage"] is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
 
 
-@pytest.mark.parametrize("path, body, field", [
-    ("/generate", {"inputs": "x", "parameters": {"temperature": "NaN"}}, "parameters.temperature"),
-    ("/generate", {"inputs": "x", "parameters": {"top_p": "Infinity"}}, "parameters.top_p"),
-    ("/generate", {"inputs": "x", "parameters": {"repetition_penalty": "-Infinity"}},
-     "parameters.repetition_penalty"),
-    ("/v1/completions", {**OPENAI[0][1], "temperature": "NaN"}, "temperature"),
-    ("/v1/chat/completions", {**OPENAI[1][1], "top_p": "NaN"}, "top_p"),
-    ("/v1/completions", {**OPENAI[0][1], "repetition_penalty": "Infinity"}, "repetition_penalty"),
+@pytest.mark.parametrize("path, body, field, value", [
+    ("/generate", {"inputs": "x", "parameters": {"temperature": "@"}}, "parameters.temperature", "NaN"),
+    ("/generate", {"inputs": "x", "parameters": {"top_p": "@"}}, "parameters.top_p", "Infinity"),
+    ("/generate", {"inputs": "x", "parameters": {"repetition_penalty": "@"}}, "parameters.repetition_penalty",
+     "-Infinity"),
+    ("/v1/completions", {**OPENAI[0][1], "temperature": "@"}, "temperature", "NaN"),
+    ("/v1/completions", {**OPENAI[0][1], "temperature": "@"}, "temperature", '"NaN"'),   # a string
+    ("/v1/chat/completions", {**OPENAI[1][1], "top_p": "@"}, "top_p", "NaN"),
+    ("/v1/completions", {**OPENAI[0][1], "repetition_penalty": "@"}, "repetition_penalty", "Infinity"),
 ])
-def test_non_finite_numbers_say_they_must_be_finite(path, body, field):
-    raw = json.dumps(body).replace('"NaN"', "NaN").replace('"-Infinity"', "-Infinity") \
-        .replace('"Infinity"', "Infinity")
+def test_non_finite_numbers_say_they_must_be_finite(path, body, field, value):
+    raw = json.dumps(body).replace('"@"', value)       # JSON's NaN / Infinity tokens, as Python writes them
     with client_for() as client:
         r = client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
         assert r.status_code == 422, r.text
-        assert f"{field}: " in r.text and "must be a finite number" in r.text
+        assert f"{field}: Input should be a finite number" in r.text
         assert "<=" not in r.text and ">=" not in r.text
 
 
@@ -238,3 +238,37 @@ def test_guidellm_and_aiperf_bodies_are_served(live_server, model_name):
         assert all(c.get("usage") is not None for c in chunks) == continuous
         finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
         assert finish[-1] == "length"
+
+
+class SpecialTokenEngine(FakeEngine):
+    """Emits "a", a special token (id 7, no text of its own), "b", then EOS (special, last)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokenizer.convert_ids_to_tokens = lambda token_id: f"<special-{token_id}>"
+
+    async def _produce(self, stream, params):
+        events = [TokenEvent(ord("a") + 10, "a", -0.1), TokenEvent(7, "", -0.1, True),
+                  TokenEvent(ord("b") + 10, "b", -0.1), TokenEvent(2, "", -0.1, True, last=True)]
+        for event in events:
+            stream.queue.put_nowait(event)
+        stream.queue.put_nowait(FinishEvent("eos", "ab", stream.prompt_tokens, len(events)))
+        self.active.pop(stream.request_id, None)
+
+
+@pytest.mark.parametrize("path, base", OPENAI)
+@pytest.mark.parametrize("stream", [False, True])
+def test_skip_special_tokens_false_shows_them_but_not_the_one_that_ended_the_request(path, base, stream):
+    def text(r) -> str:
+        if not stream:
+            choice = r.json()["choices"][0]
+            return choice["text"] if "text" in choice else choice["message"]["content"]
+        chunks = [c for c in sse_data(r.text)[:-1] if c["choices"]]
+        return "".join(c["choices"][0]["text"] if "text" in c["choices"][0]
+                       else c["choices"][0]["delta"].get("content", "") for c in chunks)
+
+    with client_for(SpecialTokenEngine()) as client:
+        shown = client.post(path, json={**base, "stream": stream, "skip_special_tokens": False})
+        skipped = client.post(path, json={**base, "stream": stream})
+    assert text(shown) == "a<special-7>b"
+    assert text(skipped) == "ab"
