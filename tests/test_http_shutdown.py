@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import REPO, free_port
+from .conftest import REPO, free_port, metric_value
 from .test_http_app import FakeEngine, client_for
 
 pytestmark = pytest.mark.slow
@@ -148,8 +148,17 @@ def test_streams_running_past_the_timeout_are_ended_with_a_proper_last_event(tmp
     """SIGINT goes to the whole process group, as Ctrl-C does: the engine process must not die
     of it before the workers have ended their streams."""
     server = Server(tmp_path / "server.log", "--shutdown-timeout", "2", "--api-workers", workers)
+    plain: list[httpx.Response] = []
+    waiting = threading.Thread(target=lambda: plain.append(httpx.post(
+        server.url + "/generate", json={"inputs": "Count:", "parameters": {"max_new_tokens": 4000,
+                                                                          "ignore_eos": True}}, timeout=120)))
     try:
         tgi, openai = streams(server.url, new_tokens=4000)
+        waiting.start()
+        deadline = time.monotonic() + 60       # all three decoding before the signal
+        while metric_value(httpx.get(server.url + "/metrics", timeout=10).text, "llm_num_requests_running") < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         signalled = time.monotonic()
         if sig == signal.SIGINT:
             os.killpg(server.process.pid, signal.SIGINT)
@@ -157,7 +166,7 @@ def test_streams_running_past_the_timeout_are_ended_with_a_proper_last_event(tmp
             server.process.send_signal(sig)
         time.sleep(0.5)
         check_refusing(server)
-        for s in (tgi, openai):
+        for s in (tgi, openai, waiting):
             s.join(60)
         ended = time.monotonic() - signalled
         code = server.wait(60)
@@ -173,8 +182,11 @@ def test_streams_running_past_the_timeout_are_ended_with_a_proper_last_event(tmp
     usage = openai.events[-2]["usage"]
     assert openai.events[-2]["choices"] == [] and 0 < usage["completion_tokens"] < 4000
     assert openai.events[-3]["choices"][0]["finish_reason"] == "abort"
+    # the non-streaming request: 503, to be retried elsewhere
+    (r,) = plain
+    assert r.status_code == 503 and r.headers["retry-after"] and "ended the request after" in r.json()["error"]
     log = check_clean_exit(server, code)
-    assert log.count("the server ended the request (shutting down)") == 2
+    assert log.count("the server ended the request (shutting down)") == 3
 
 
 def test_draining_app_refuses_new_work_and_health_says_so():
