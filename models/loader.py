@@ -1,13 +1,16 @@
 """Load a causal LM from any source with our attention wired in."""
 
+import glob
 import hashlib
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from . import attention
@@ -56,26 +59,78 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return resolved
 
 
-def converted_gguf_folder(gguf: Path) -> Path:
-    """The GGUF converted once to a safetensors folder; later loads take seconds, not tens."""
+COMPLETE_MARKER = ".complete"      # written last: a folder without it is not a finished conversion
+
+
+def gguf_cache_folder(gguf: Path) -> Path:
+    """Where ``gguf`` is converted to: a new copy or an edited file gets a folder of its own."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    folder = cache_root() / "models" / f"{gguf.stem}-{key}"
-    if (folder / "config.json").is_file():
+    return cache_root() / "models" / f"{gguf.stem}-{key}"
+
+
+def converted_gguf_folder(gguf: Path) -> Path:
+    """The GGUF converted once to a safetensors folder; later loads take seconds, not tens.
+
+    One conversion per cache folder, whoever asks (the engine process, each API worker, another
+    server on the same cache): the first takes a lock next to the folder and converts, the others
+    wait on the lock and then find the folder finished. The conversion is written to a partial
+    folder, marked complete and renamed into place, so a conversion killed midway leaves nothing
+    that a later start takes for finished."""
+    folder = gguf_cache_folder(gguf)
+    if (folder / COMPLETE_MARKER).is_file():
         return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(folder.with_name(folder.name + ".lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("waiting for another process to convert %s into %s", gguf.name, folder)
+        lock.acquire()
+    try:
+        if (folder / COMPLETE_MARKER).is_file():   # converted while this process waited
+            return folder
+        _convert(gguf, folder)
+    finally:
+        lock.release()
+    return folder
+
+
+def _convert(gguf: Path, folder: Path) -> None:
+    """Under the folder's lock: whatever an interrupted conversion left is removed first."""
+    for stale in [folder, *folder.parent.glob(glob.escape(folder.name) + ".partial-*")]:
+        if stale.exists():
+            log.info("removing %s, left by an unfinished conversion", stale)
+            shutil.rmtree(stale)
     started = time.monotonic()
     log.info("converting %s to safetensors in %s (once)", gguf.name, folder)
+    partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
+    _write_checkpoint(gguf, partial)
+    (partial / COMPLETE_MARKER).write_text(f"{gguf}\n")
+    _fsync_tree(partial)
+    partial.rename(folder)
+    log.info("converted in %.1f s", time.monotonic() - started)
+
+
+def _write_checkpoint(gguf: Path, folder: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The weights are dequantized to float32 on load; what is saved is a plain checkpoint.
     del model.config.quantization_config
     model.hf_quantizer = None
-    partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(folder)
-    log.info("converted in %.1f s", time.monotonic() - started)
-    return folder
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """The files and the folder on disk before the rename publishes them (a power cut after it
+    must not leave a marked folder of empty files)."""
+    for path in [*folder.iterdir(), folder]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 # SmolLM2's tokenizer and chat template, shipped with the code so random presets need no weights.
@@ -117,3 +172,17 @@ def load_model(spec: str = "default", dtype: str | None = None, device: str | to
     max_len = int(getattr(model.config, "max_position_embeddings", 2048))
     log.info("loaded %s (%s, %s) in %.1f s", source.name, torch_dtype, device, time.monotonic() - started)
     return LoadedModel(model, tokenizer, source.name, max_len, device, torch_dtype)
+
+
+def prepare(spec: str = "default") -> Path | None:
+    """Converts the GGUF that ``spec`` names into the cache (an image build does this, so that a
+    container's first start loads in seconds); the folder, or None if ``spec`` needs no conversion."""
+    source = resolve(spec)
+    return converted_gguf_folder(source.path) if source.kind == "gguf" else None
+
+
+if __name__ == "__main__":          # python -m models.loader [SPEC]: convert once, print the folder
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(prepare(sys.argv[1] if len(sys.argv) > 1 else "default"))

@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 
 from . import routes_openai, routes_ops, routes_tgi
@@ -15,6 +16,7 @@ from .metrics import Metrics
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from .services import EngineSlot, Services
 from .settings import Settings
+from .sse import EVENT_MODELS
 
 log = logging.getLogger("server.app")
 
@@ -62,9 +64,9 @@ def create_app(engine=None, settings: Settings | None = None, *,
 
     # Added innermost first: request context, then API key, then the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.openapi = _openapi(app, bearer=bool(settings.api_key))
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=OPEN_PATHS)
-        app.openapi = _openapi_with_bearer(app)
     app.add_middleware(RequestContextMiddleware, metrics=services.metrics)
     return app
 
@@ -99,17 +101,24 @@ def _load(loader: Callable[[], object], slot: EngineSlot, stopping: _Stopping,
                                                "max_model_len": engine.max_model_len}})
 
 
-def _openapi_with_bearer(app: FastAPI) -> Callable[[], dict]:
+def _openapi(app: FastAPI, bearer: bool) -> Callable[[], dict]:
+    """FastAPI's document, with the schemas of the stream events (``sse.event_stream_doc``)
+    and, with an API key, the bearer scheme on every path but the open ones."""
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
-            schema.setdefault("components", {})["securitySchemes"] = {
-                "bearer": {"type": "http", "scheme": "bearer"}}
-            for path, operations in schema["paths"].items():
-                if path not in OPEN_PATHS:
-                    for operation in operations.values():
-                        operation["security"] = [{"bearer": []}]
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            _, defs = models_json_schema([(m, "serialization") for m in EVENT_MODELS],
+                                         ref_template="#/components/schemas/{model}")
+            for name, definition in defs.get("$defs", {}).items():
+                components.setdefault(name, definition)
+            if bearer:
+                schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+                for path, operations in schema["paths"].items():
+                    if path not in OPEN_PATHS:
+                        for operation in operations.values():
+                            operation["security"] = [{"bearer": []}]
             app.openapi_schema = schema
         return app.openapi_schema
     return openapi

@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="debug: write prompts and generated text into the logs")
     p.add_argument("--log-level", default=_env("log_level", d.log_level),
                    choices=LOG_LEVELS)
+    p.add_argument("--shutdown-timeout", type=float,
+                   default=_env("shutdown_timeout", str(d.shutdown_timeout)),
+                   help="on SIGTERM or SIGINT, seconds running requests may take to finish before the "
+                        "server ends them; new requests get 503 meanwhile (default %(default)s)")
     engine = p.add_argument_group("engine sizing")
     for name, (kind, help_text) in ENGINE_FLAGS.items():
         flag = "--" + name.replace("_", "-")
@@ -140,7 +144,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     device=resolve_device(args.device), api_key=args.api_key or None,
                     max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     default_max_new_tokens=args.default_max_new_tokens,
-                    log_prompts=args.log_prompts, log_level=args.log_level)
+                    log_prompts=args.log_prompts, log_level=args.log_level,
+                    shutdown_timeout=args.shutdown_timeout)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -176,6 +181,7 @@ def serve(args, settings: Settings, channel=None, sockets=None) -> int:
     import uvicorn
 
     from .app import create_app
+    from .shutdown import DrainingServer, drain
 
     failed: list[str] = []
 
@@ -184,9 +190,11 @@ def serve(args, settings: Settings, channel=None, sockets=None) -> int:
         server.should_exit = True
 
     app = create_app(settings=settings, loader=make_loader(args, settings, channel), on_load_error=stop_on_load_error)
-    server = uvicorn.Server(uvicorn.Config(
+    # uvicorn's own grace period only covers what the drain left: connections still open after it
+    server = DrainingServer(uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=log_config(settings.log_level),
-        access_log=False, timeout_graceful_shutdown=5))
+        access_log=False, timeout_graceful_shutdown=5),
+        drain=lambda: drain(app.state.services, settings.shutdown_timeout))
     server.run(sockets=sockets)
     if failed:
         log.error("exiting: the model could not be loaded", extra={"fields": {"error": failed[0]}})
@@ -198,10 +206,6 @@ def _api_worker(argv: list[str], channel, sock) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level)
     sys.exit(serve(args, settings_from(args), channel=channel, sockets=[sock]))
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def serve_workers(args, argv: list[str], settings: Settings) -> int:
@@ -237,22 +241,28 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
     for channel in channels:
         channel.outbox.close()                     # each worker holds its pipe's only reading end now
     log.info("engine process %d, API worker processes %s", core.pid, [w.pid for w in workers])
-    signal.signal(signal.SIGTERM, _interrupt)           # docker stop: shut down as on Ctrl-C
+    signals: list[int] = []
+
+    def on_signal(signum, frame):
+        signals.append(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     core_died = False
     try:
-        while core.is_alive() and all(w.is_alive() for w in workers):
-            time.sleep(0.5)
+        while core.is_alive() and all(w.is_alive() for w in workers) and not signals:
+            time.sleep(0.2)
         core_died = not core.is_alive()
-    except KeyboardInterrupt:
-        pass
     finally:
+        if signals:
+            log.info("received %s: the API workers drain", signal.Signals(signals[0]).name)
         if core_died:                              # the workers saw their pipes end and failed their streams
             log.error("the engine process exited", extra={"fields": {"exitcode": core.exitcode}})
         for worker in workers:
             if worker.is_alive():
-                worker.terminate()                 # SIGTERM: uvicorn finishes gracefully
+                worker.terminate()                 # SIGTERM: each drains (server/shutdown.py)
         for worker in workers:
-            worker.join(timeout=15)
+            worker.join(timeout=settings.shutdown_timeout + 20)
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5)

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from .engine.errors import QueueFullError
 from .engine.params import FinishEvent, SamplingParams, TokenEvent
 from .http_errors import ApiError
-from .services import Services
+from .services import Services, shutting_down
 
 log = logging.getLogger("server.generation")
 
@@ -61,11 +61,11 @@ async def decode_ids(tokenizer, ids: list[int]) -> str:
     return await run_in_threadpool(tokenizer.decode, ids)
 
 
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
+def check_token_ids(ids, vocab_size: int, param: str = "prompt") -> None:
     bad = next((i for i in ids if not 0 <= i < vocab_size), None)
     if bad is not None:
         raise ApiError(400, f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
-                       param="prompt")
+                       param=param)
 
 
 def resolve_max_new_tokens(requested: int | None, prompt_len: int, max_model_len: int,
@@ -92,17 +92,23 @@ SAMPLING_EPS = 1e-5     # temperatures below this sample as greedy (vLLM's rule)
 
 def sampling_params(engine, *, max_new_tokens: int, temperature: float, top_p: float | None,
                     top_k: int | None, repetition_penalty: float | None, seed: int | None,
-                    stop: tuple[str, ...], logprobs: bool, ignore_eos: bool) -> SamplingParams:
+                    stop: tuple[str, ...], logprobs: bool, ignore_eos: bool, min_tokens: int = 0,
+                    stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
     """SamplingParams with degenerate values made plain: a top_k at or past the vocabulary
-    is no cut, a vanishing temperature is greedy."""
+    (or vLLM's -1) is no cut, a vanishing temperature is greedy."""
     top_k = top_k or 0
-    if top_k >= len(engine.tokenizer):
+    if top_k >= len(engine.tokenizer) or top_k < 0:
         top_k = 0
+    if min_tokens > max_new_tokens:
+        raise ApiError(400, f"min_tokens ({min_tokens}) is more than the tokens to generate "
+                            f"({max_new_tokens})", param="min_tokens")
+    check_token_ids(stop_token_ids, len(engine.tokenizer), param="stop_token_ids")
     return SamplingParams(max_new_tokens=max_new_tokens,
                           temperature=0.0 if temperature < SAMPLING_EPS else temperature,
                           top_p=1.0 if top_p is None else top_p, top_k=top_k,
                           repetition_penalty=repetition_penalty or 1.0, seed=seed, stop=stop,
-                          logprobs=logprobs, ignore_eos=ignore_eos)
+                          logprobs=logprobs, ignore_eos=ignore_eos, min_tokens=min_tokens,
+                          stop_token_ids=frozenset(stop_token_ids))
 
 
 def finite_or_none(x: float | None) -> float | None:
@@ -126,7 +132,9 @@ class Generation:
         self.created = int(time.time())
         self.tokens: list[TokenEvent] = []
         self.finish: FinishEvent | None = None
+        self.ended_by_server = False       # the server shut down before the request finished
         self._closed = False
+        services.generations.add(self)
 
     @property
     def prompt_tokens(self) -> int:
@@ -176,11 +184,19 @@ class Generation:
             raise ClientGone()
         return self.finish
 
+    def end_by_server(self) -> None:
+        """Ends the request for a shutdown: the engine aborts it and its stream receives a finish
+        event with reason "abort", which the routes turn into a proper last event."""
+        if self.finish is None and not self._closed:
+            self.ended_by_server = True
+            self.engine.abort(self.engine_request_id)
+
     def close(self) -> None:
         """Aborts the engine request unless it finished (client gone, or an error of ours)."""
         if self._closed:
             return
         self._closed = True
+        self.services.generations.discard(self)
         if self.finish is None:
             self.engine.abort(self.engine_request_id)
             self._record("abort", self.prompt_tokens, len(self.tokens), {}, "client disconnected",
@@ -213,14 +229,21 @@ class Generation:
             fields["generated_text"] = (self.finish.text if self.finish is not None
                                         else "".join(t.text for t in self.tokens))
         level = logging.ERROR if reason == "error" else logging.INFO
-        log.log(level, "client disconnected; request aborted" if client_gone else "request finished",
-                extra={"fields": fields})
+        if client_gone:
+            message = "client disconnected; request aborted"
+        elif self.ended_by_server:
+            message = "the server ended the request (shutting down)"
+        else:
+            message = "request finished"
+        log.log(level, message, extra={"fields": fields})
 
 
 def submit(services: Services, engine, request: Request, prompt: Prompt, params: SamplingParams,
            *, endpoint: str, streaming: bool) -> Generation:
     """Hands the request to the engine (on the event-loop thread, as the engine requires)."""
     metrics = services.metrics
+    if services.draining:
+        raise shutting_down()
     try:
         stream = engine.add_request(prompt.ids, params, request_id=uuid.uuid4().hex)
     except QueueFullError:

@@ -31,6 +31,13 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+def ended_by_shutdown(finish) -> ApiError:
+    """503 for a non-streaming request that the server ended while shutting down."""
+    return ApiError(503, f"the server is shutting down and ended the request after "
+                         f"{finish.completion_tokens} tokens; retry on another replica",
+                    headers={"Retry-After": "5"})
+
+
 def is_openai_path(path: str) -> bool:
     return path.startswith("/v1/")
 
@@ -86,6 +93,16 @@ def retry_after_header(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, int(round(seconds + 0.499))))}
 
 
+def body_parse_error(cause: BaseException) -> str:
+    """What FastAPI's "There was an error parsing the body" was: the parser's own complaint."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the request body is not valid UTF-8 JSON: {cause.reason} at byte position "
+                f"{cause.start}")
+    if isinstance(cause, RecursionError):
+        return "malformed JSON body: nested too deeply for the parser"
+    return f"malformed request body: {type(cause).__name__}: {cause}"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -107,6 +124,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 400 and exc.__cause__ is not None:
+            message = body_parse_error(exc.__cause__)
         return error_response(request.url.path, exc.status_code, message, headers=exc.headers)
 
     @app.exception_handler(QueueFullError)

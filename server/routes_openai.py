@@ -9,19 +9,26 @@ from fastapi.responses import JSONResponse
 from .engine.params import FinishEvent, SamplingParams, TokenEvent
 from .generation import (ClientGone, Generation, Prompt, check_token_ids, decode_ids, encode_chat,
                          encode_text, finite_or_none, plan_max_new_tokens, sampling_params, submit)
-from .http_errors import ApiError, error_body
-from .schemas import OpenAIErrorResponse, chat_template_messages
-from .schemas_openai import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                             CompletionResponse, ModelCard, ModelList, SamplingFields)
+from .http_errors import ApiError, ended_by_shutdown, error_body
+from .schemas import OpenAIErrorResponse, chat_template_messages, ignored_fields
+from .schemas_openai import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                             CompletionChunk, CompletionRequest, CompletionResponse, ModelCard, ModelList,
+                             SamplingFields)
 from .services import Services, get_services, ready_engine
-from .sse import DONE, SSE_RESPONSE_DOC, GenerationEventStream, sse_json
+from .sse import DONE, GenerationEventStream, event_stream_doc, sse_json
 
 log = logging.getLogger("server.openai")
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort", "error": "error"}
 ERRORS = {status: {"model": OpenAIErrorResponse} for status in (400, 401, 404, 413, 422, 429, 500, 503)}
-STREAM_ERRORS = {200: {"content": SSE_RESPONSE_DOC}, **ERRORS}
+
+
+def streaming(chunk_model) -> dict:
+    """JSON, or with stream=true the chunks, [DONE] at the end (an error event instead, if the
+    engine fails)."""
+    return {200: {"content": event_stream_doc(chunk_model, OpenAIErrorResponse, done=True),
+                  "description": "JSON, or with stream=true server-sent events"}, **ERRORS}
 
 
 def served_names(engine, services: Services) -> set[str]:
@@ -39,7 +46,31 @@ def openai_sampling(engine, body: SamplingFields, max_new_tokens: int, logprobs:
                            temperature=1.0 if body.temperature is None else body.temperature,
                            top_p=body.top_p, top_k=body.top_k,
                            repetition_penalty=body.repetition_penalty, seed=body.seed,
-                           stop=body.stop_tuple(), logprobs=logprobs, ignore_eos=body.ignore_eos)
+                           stop=body.stop_tuple(), logprobs=logprobs, ignore_eos=body.ignore_eos,
+                           min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()))
+
+
+def warn_ignored(body: SamplingFields, request: Request) -> None:
+    """One log line per request naming the fields it sent that this server does not know."""
+    names = ignored_fields(body)
+    if names:
+        log.warning("ignoring request fields this server does not know",
+                    extra={"fields": {"request_id": request.state.request_id, "ignored_fields": names}})
+
+
+def text_of(token: TokenEvent, tokenizer, skip_special_tokens: bool) -> str:
+    """A token's text; with skip_special_tokens false, a special token shows as itself, except
+    one that ended the request (EOS, a stop token id), which vLLM leaves out too."""
+    if skip_special_tokens or not token.special or token.last:
+        return token.text
+    return tokenizer.convert_ids_to_tokens(token.token_id)
+
+
+def stream_usage(gen: Generation) -> dict:
+    """Usage so far, for stream_options.continuous_usage_stats."""
+    completion = len(gen.tokens)
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": gen.prompt_tokens + completion}
 
 
 def usage(finish: FinishEvent) -> dict:
@@ -70,32 +101,32 @@ def chat_logprobs(tokens: list[TokenEvent]) -> dict:
                         for t in visible(tokens)]}
 
 
-def stream_error(finish: FinishEvent) -> bytes:
-    if finish.reason == "error":
-        return sse_json(error_body("/v1/", 500, f"generation failed: {finish.error}"))
-    return sse_json(error_body("/v1/", 503, "the request was aborted by the server"))
-
-
 async def openai_stream(gen: Generation, *, head: list[dict], chunk: Callable[[dict], dict],
                         token_choice: Callable[[TokenEvent], dict | None],
                         final_choice: Callable[[FinishEvent], dict],
-                        include_usage: bool) -> AsyncIterator[bytes]:
-    """``data:`` chunks: ``head`` choices, one per token with text, the finish reason, optional
-    usage, then [DONE]. An error ends the stream with an error event instead."""
-    extra = {"usage": None} if include_usage else {}
+                        include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
+    """``data:`` chunks: ``head`` choices, one per token with text, the finish reason (also
+    "abort" when the server ended the request on shutdown), optional usage, then [DONE]. An
+    engine error ends the stream with an error event instead."""
+    def extra() -> dict:
+        if continuous_usage:
+            return {"usage": stream_usage(gen)}
+        return {"usage": None} if include_usage else {}
+
     try:
         for choice in head:
-            yield sse_json({**chunk(choice), **extra})
+            yield sse_json({**chunk(choice), **extra()})
         async for event in gen:
             if isinstance(event, TokenEvent):
                 choice = token_choice(event)
                 # b"" when nothing shows yet: lets the coalescer send what it holds
-                yield sse_json({**chunk(choice), **extra}) if choice is not None else b""
+                yield sse_json({**chunk(choice), **extra()}) if choice is not None else b""
                 continue
-            if event.reason in ("error", "abort"):
-                yield stream_error(event)
+            if event.reason == "error":
+                yield sse_json(error_body("/v1/", 500, f"generation failed: {event.error}"))
                 return
-            yield sse_json({**chunk(final_choice(event)), **extra})
+            yield sse_json({**chunk(final_choice(event)), **({"usage": usage(event)} if continuous_usage
+                                                              else extra())})
             if include_usage:
                 yield sse_json({**chunk(None), "choices": [], "usage": usage(event)})
             yield DONE
@@ -113,8 +144,16 @@ async def finish_or_raise(gen: Generation, request: Request) -> FinishEvent | No
     if finish.reason == "error":
         raise ApiError(500, f"generation failed: {finish.error}")
     if finish.reason == "abort":
-        raise ApiError(503, "the request was aborted by the server")
+        raise ended_by_shutdown(finish)
     return finish
+
+
+def final_text(gen: Generation, finish: FinishEvent, engine, body: SamplingFields) -> str:
+    if body.skip_special_tokens:
+        return finish.text
+    for t in gen.tokens:
+        t.text = text_of(t, engine.tokenizer, False)
+    return "".join(t.text for t in gen.tokens)
 
 
 def envelope(gen: Generation, object_name: str, id_prefix: str, model: str) -> Callable[[dict], dict]:
@@ -123,11 +162,12 @@ def envelope(gen: Generation, object_name: str, id_prefix: str, model: str) -> C
     return lambda choice: {**base, "choices": [choice] if choice is not None else []}
 
 
-@router.post("/completions", response_model=CompletionResponse, responses=STREAM_ERRORS,
+@router.post("/completions", response_model=CompletionResponse, responses=streaming(CompletionChunk),
              summary="Text completion (OpenAI)")
 async def completions(body: CompletionRequest, request: Request, engine=Depends(ready_engine),
                       services: Services = Depends(get_services)) -> Response:
     check_model(body.model, engine, services)
+    warn_ignored(body, request)
     if isinstance(body.prompt, str):
         prompt = await encode_text(engine.tokenizer, body.prompt)
     else:
@@ -145,6 +185,7 @@ async def completions(body: CompletionRequest, request: Request, engine=Depends(
         offset = [len(echo)]
 
         def token_choice(t: TokenEvent) -> dict | None:
+            t.text = text_of(t, engine.tokenizer, body.skip_special_tokens)
             if not t.text and not want_logprobs:
                 return None
             lp = completion_logprobs([t], offset[0]) if want_logprobs else None
@@ -156,22 +197,24 @@ async def completions(body: CompletionRequest, request: Request, engine=Depends(
             gen, head=head, chunk=chunk, token_choice=token_choice,
             final_choice=lambda f: {"index": 0, "text": "", "logprobs": None,
                                     "finish_reason": FINISH_REASONS[f.reason]},
-            include_usage=body.include_usage()), gen)
+            include_usage=body.include_usage(), continuous_usage=body.continuous_usage()), gen)
 
     finish = await finish_or_raise(gen, request)
     if finish is None:
         return Response(status_code=499)
-    choice = {"index": 0, "text": echo + finish.text,
+    choice = {"index": 0, "text": echo + final_text(gen, finish, engine, body),
               "logprobs": completion_logprobs(gen.tokens, len(echo)) if want_logprobs else None,
               "finish_reason": FINISH_REASONS[finish.reason]}
     return JSONResponse({**chunk(choice), "usage": usage(finish)})
 
 
-@router.post("/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_ERRORS,
+@router.post("/chat/completions", response_model=ChatCompletionResponse,
+             responses=streaming(ChatCompletionChunk),
              summary="Chat completion (OpenAI)")
 async def chat_completions(body: ChatCompletionRequest, request: Request, engine=Depends(ready_engine),
                            services: Services = Depends(get_services)) -> Response:
     check_model(body.model, engine, services)
+    warn_ignored(body, request)
     prompt = await encode_chat(engine.tokenizer, chat_template_messages(body.messages))
     max_new = plan_max_new_tokens(services, engine, prompt, body.token_limit(),
                                   services.settings.default_max_new_tokens, "max_completion_tokens")
@@ -182,6 +225,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
 
     if body.stream:
         def token_choice(t: TokenEvent) -> dict | None:
+            t.text = text_of(t, engine.tokenizer, body.skip_special_tokens)
             if not t.text:
                 return None
             return {"index": 0, "delta": {"content": t.text},
@@ -193,12 +237,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
             gen, head=head, chunk=chunk, token_choice=token_choice,
             final_choice=lambda f: {"index": 0, "delta": {}, "logprobs": None,
                                     "finish_reason": FINISH_REASONS[f.reason]},
-            include_usage=body.include_usage()), gen)
+            include_usage=body.include_usage(), continuous_usage=body.continuous_usage()), gen)
 
     finish = await finish_or_raise(gen, request)
     if finish is None:
         return Response(status_code=499)
-    choice = {"index": 0, "message": {"role": "assistant", "content": finish.text},
+    choice = {"index": 0, "message": {"role": "assistant", "content": final_text(gen, finish, engine, body)},
               "logprobs": chat_logprobs(gen.tokens) if body.logprobs else None,
               "finish_reason": FINISH_REASONS[finish.reason]}
     return JSONResponse({**chunk(choice), "usage": usage(finish)})

@@ -1,5 +1,7 @@
 """Operations: GET /health and GET /metrics."""
 
+from typing import Literal
+
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -11,14 +13,15 @@ router = APIRouter(tags=["Operations"])
 
 
 class Health(BaseModel):
-    status: str
+    status: Literal["ok", "loading", "draining", "error"]
     model: str | None = None
     error: str | None = None
 
 
 @router.get("/health", response_model=Health,
-            responses={503: {"model": Health, "description": "Loading, or the engine failed"}},
-            summary="200 when ready to serve; 503 while loading or after a fatal engine error")
+            responses={503: {"model": Health, "description": "Loading, draining on shutdown, or the engine failed"}},
+            summary="200 when ready to serve; 503 while loading, while draining on shutdown, or after a "
+                    "fatal engine error")
 async def health(services: Services = Depends(get_services)):
     healthy, status, error = services.health()
     engine = services.slot.engine

@@ -11,11 +11,11 @@ from fastapi.responses import JSONResponse
 from .engine.params import FinishEvent, SamplingParams, TokenEvent
 from .generation import (SAMPLING_EPS, ClientGone, Generation, Prompt, encode_chat, encode_text,
                          finite_or_none, plan_max_new_tokens, sampling_params, submit)
-from .http_errors import ApiError
+from .http_errors import ApiError, ended_by_shutdown
 from .schemas import (MAX_STOP_SEQUENCES, ErrorResponse, GenerateParameters, GenerateRequest,
                       GenerateResponse, Info, StreamResponse, chat_template_messages)
 from .services import Services, get_services, ready_engine
-from .sse import SSE_RESPONSE_DOC, GenerationEventStream, sse_json
+from .sse import GenerationEventStream, event_stream_doc, sse_json
 
 log = logging.getLogger("server.tgi")
 router = APIRouter(tags=["TGI"])
@@ -23,6 +23,8 @@ router = APIRouter(tags=["TGI"])
 FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequence",
                   "abort": "abort", "error": "error"}
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 422, 429, 500, 503)}
+# The token events, the last with generated_text and details, or an error event instead of it.
+STREAM_DOC = event_stream_doc(StreamResponse, ErrorResponse)
 
 
 def server_version() -> str:
@@ -59,6 +61,14 @@ async def build_prompt(body: GenerateRequest, engine) -> Prompt:
     return prompt
 
 
+def stream_error(gen: Generation, finish: FinishEvent) -> dict:
+    """The error event that ends a stream the engine could not finish, as TGI sends one."""
+    if finish.reason == "error":
+        return {"error": f"generation failed: {finish.error}", "error_type": "generation"}
+    return {"error": f"the server is shutting down and ended the request after "
+                     f"{finish.completion_tokens} tokens", "error_type": "incomplete_generation"}
+
+
 async def tgi_stream(gen: Generation, prefix: str) -> AsyncIterator[bytes]:
     """One event per token; the last token's event also carries generated_text and details, as
     TGI's does (the engine marks that token, its finish event queued right behind it)."""
@@ -74,9 +84,7 @@ async def tgi_stream(gen: Generation, prefix: str) -> AsyncIterator[bytes]:
                     index += 1
                     yield sse_json({"index": index, "token": token_json(token), "generated_text": None,
                                     "details": None, "top_tokens": None})
-                message = (f"generation failed: {finish.error}" if finish.reason == "error"
-                           else "the request was aborted by the server")
-                yield sse_json({"error": message, "error_type": "generation"})
+                yield sse_json(stream_error(gen, finish))
                 return
             index += 1
             if finish is None:
@@ -118,7 +126,7 @@ async def run_generate(body: GenerateRequest, request: Request, engine, services
     if finish.reason == "error":
         raise ApiError(500, f"generation failed: {finish.error}")
     if finish.reason == "abort":
-        raise ApiError(503, "the request was aborted by the server")
+        raise ended_by_shutdown(finish)
     answer = {"generated_text": prefix + finish.text}
     if params.details:
         answer["details"] = {"finish_reason": FINISH_REASONS[finish.reason],
@@ -129,7 +137,8 @@ async def run_generate(body: GenerateRequest, request: Request, engine, services
 
 
 @router.post("/generate", response_model=GenerateResponse,
-             responses={200: {"content": SSE_RESPONSE_DOC}, **ERRORS},
+             responses={200: {"content": STREAM_DOC, "description": "JSON, or with stream=true "
+                                                                   "server-sent events"}, **ERRORS},
              summary="Generate text (JSON, or server-sent events with stream=true)")
 async def generate(body: GenerateRequest, request: Request, engine=Depends(ready_engine),
                    services: Services = Depends(get_services)) -> Response:
@@ -137,8 +146,8 @@ async def generate(body: GenerateRequest, request: Request, engine=Depends(ready
                               endpoint="generate")
 
 
-@router.post("/generate_stream",
-             responses={200: {"content": SSE_RESPONSE_DOC, "model": StreamResponse}, **ERRORS},
+@router.post("/generate_stream", response_class=Response,
+             responses={200: {"content": STREAM_DOC, "description": "Server-sent events"}, **ERRORS},
              summary="Generate text as server-sent events (the body's `stream` is ignored)")
 async def generate_stream(body: GenerateRequest, request: Request, engine=Depends(ready_engine),
                           services: Services = Depends(get_services)) -> Response:

@@ -1,7 +1,8 @@
 """Request and response bodies shared by both APIs, and those of the TGI-style API.
 
-Unknown fields are refused (422 naming them) so that a misspelt option never silently does
-nothing; fields TGI clients send with neutral values (``null``, ``false``) are accepted and
+On the TGI routes unknown fields are refused (422 naming them) so that a misspelt option never
+silently does nothing (the OpenAI routes ignore and log them instead, as vLLM does:
+``schemas_openai.py``); fields TGI clients send with neutral values (``null``, ``false``) are accepted and
 only refused when they ask for something this server does not do.
 """
 
@@ -20,6 +21,9 @@ def _encodable(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_encodable)]
+# JSON's NaN and Infinity (Python's parser takes them) are refused before any bound is checked, so
+# that the message says what is wrong with them ("Input should be a finite number").
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 StopSequence = Annotated[Text, Field(min_length=1, max_length=256)]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 MAX_STOP_SEQUENCES = 16
@@ -27,6 +31,28 @@ MAX_STOP_SEQUENCES = 16
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class Lenient(BaseModel):
+    """Unknown fields are kept aside (``model_extra``), ignored and logged (``ignored_fields``):
+    clients written for other servers send extensions of their own."""
+    model_config = ConfigDict(extra="allow")
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the fields a ``Lenient`` model (and those inside it) did not know."""
+    names = [prefix + name for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        for i, value in _items(getattr(model, name)):
+            if isinstance(value, BaseModel):
+                names += ignored_fields(value, f"{prefix}{name}{i}.")
+    return names
+
+
+def _items(value):
+    if isinstance(value, list):
+        return [(f".{i}", v) for i, v in enumerate(value)]
+    return [("", value)]
 
 
 class TextPart(Strict):
@@ -83,11 +109,11 @@ class GenerateParameters(Strict):
     do_sample: bool | None = Field(
         None, description="false: greedy decoding whatever the temperature. true: sample. "
                           "Omitted: sample only if temperature, top_k or top_p ask for it.")
-    temperature: float | None = Field(None, ge=0.0, le=100.0,
+    temperature: FiniteFloat | None = Field(None, ge=0.0, le=100.0,
                                       description="Sampling temperature; 0 means greedy.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, description="0 turns the top-k cut off.")
-    repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)
+    repetition_penalty: FiniteFloat | None = Field(None, ge=0.01, le=10.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[StopSequence] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES,
                                      description="Generation stops before any of these strings.")
@@ -97,11 +123,11 @@ class GenerateParameters(Strict):
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     # Sent by TGI clients; only their neutral values are accepted.
     best_of: int | None = Field(None, description="Only 1 (or null) is supported.")
-    typical_p: float | None = Field(None, description="Not supported; null only.")
+    typical_p: FiniteFloat | None = Field(None, description="Not supported; null only.")
     watermark: bool = Field(False, description="Not supported; false only.")
     decoder_input_details: bool = Field(False, description="Not supported; false only.")
     top_n_tokens: int | None = Field(None, description="Not supported; null or 0 only.")
-    frequency_penalty: float | None = Field(None, description="Not supported; null or 0 only.")
+    frequency_penalty: FiniteFloat | None = Field(None, description="Not supported; null or 0 only.")
     grammar: None = Field(None, description="Not supported; null only.")
     adapter_id: None = Field(None, description="Not supported; null only.")
 

@@ -1,37 +1,52 @@
-"""Bodies of the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
+"""Bodies of the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models).
+
+Requests accept vLLM's extension fields (min_tokens, ignore_eos, top_k, repetition_penalty,
+skip_special_tokens, stop_token_ids, stream_options.continuous_usage_stats) and ignore fields
+they do not know, as vLLM does (the route logs them): load generators and clients written for
+vLLM send such fields. A known field with a value this server cannot honour is still refused.
+"""
 
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from .schemas import MAX_STOP_SEQUENCES, ChatMessage, StopSequence, Strict, Text, require_neutral
+from .schemas import (MAX_STOP_SEQUENCES, ChatMessage, FiniteFloat, Lenient, StopSequence, Strict, Text,
+                      require_neutral)
 
 TokenId = Annotated[int, Field(ge=0)]
+MAX_STOP_TOKEN_IDS = 64
 
 
-class StreamOptions(Strict):
+class StreamOptions(Lenient):
     include_usage: bool = Field(False, description="Send a last chunk with token usage before [DONE].")
+    continuous_usage_stats: bool = Field(
+        False, description="With include_usage: every chunk carries the usage so far (vLLM's extension).")
 
 
-class SamplingFields(Strict):
+class SamplingFields(Lenient):
     model: Text = Field(description="The id listed by GET /v1/models.")
-    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: FiniteFloat | None = Field(None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
+    top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(None, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopSequence | list[StopSequence] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: float | None = Field(None, description="Only 0 is supported.")
-    frequency_penalty: float | None = Field(None, description="Only 0 is supported; "
-                                                              "see repetition_penalty.")
+    presence_penalty: FiniteFloat | None = Field(None, description="Only 0 is supported.")
+    frequency_penalty: FiniteFloat | None = Field(None, description="Only 0 is supported; "
+                                                                    "see repetition_penalty.")
     logit_bias: dict[str, float] | None = Field(None, description="Only an empty map is supported.")
     user: Text | None = Field(None, description="Accepted and ignored.")
     # Extensions in vLLM's spelling.
-    top_k: int | None = Field(None, ge=0, description="0 turns the top-k cut off.")
-    repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)
-    ignore_eos: bool = False
-
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 turn the top-k cut off.")
+    repetition_penalty: FiniteFloat | None = Field(None, ge=0.01, le=10.0)
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    min_tokens: int = Field(0, ge=0, description="Neither the end-of-sequence token nor stop_token_ids "
+                                                 "end the generation before this many tokens.")
+    stop_token_ids: list[TokenId] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="Token ids that end the generation (finish_reason "
+                                                         "'stop'); the token itself is not in the text.")
+    skip_special_tokens: bool = Field(True, description="false: special tokens generated show in the text.")
     @field_validator("n")
     @classmethod
     def _n(cls, v):
@@ -63,6 +78,10 @@ class SamplingFields(Strict):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: vLLM sends it only when include_usage is set too."""
+        return self.include_usage() and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingFields):
@@ -104,8 +123,12 @@ class ResponseFormat(Strict):
     type: Literal["text"] = Field(description="Only plain text is supported.")
 
 
+class OpenAIChatMessage(ChatMessage, Lenient):
+    """A chat message; fields the template does not use (tool_calls: [], say) are ignored."""
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[OpenAIChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated OpenAI name of "
                                                            "max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -216,3 +239,49 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------- stream events (documentation)
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = Field(
+        description="Set on the last chunk; 'abort': the server ended the request while shutting down.")
+
+
+class CompletionChunk(BaseModel):
+    """One `data:` event of a streamed /v1/completions; a final `data: [DONE]` follows."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = Field(None, description="With stream_options.include_usage: null on every chunk "
+                                                  "but a last one (empty choices) that counts the tokens; "
+                                                  "with continuous_usage_stats too, on every chunk.")
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = Field(
+        description="Set on the last chunk; 'abort': the server ended the request while shutting down.")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a streamed /v1/chat/completions; a final `data: [DONE]` follows."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="As in CompletionChunk.")

@@ -26,9 +26,13 @@ class Services:
     slot: EngineSlot
     metrics: Metrics
     started: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False                   # shutting down: admit nothing new (server/shutdown.py)
+    generations: set = field(default_factory=set)   # admitted and not yet closed (generation.py)
 
     def health(self) -> tuple[bool, str, str | None]:
         """(healthy, status, error message)."""
+        if self.draining:
+            return False, "draining", None
         if self.slot.load_error is not None:
             return False, "error", self.slot.load_error
         engine = self.slot.engine
@@ -46,11 +50,18 @@ def get_services(request: Request) -> Services:
 
 
 def ready_engine(request: Request):
-    """The engine, or 503 with Retry-After while it is loading or after it failed."""
+    """The engine, or 503 with Retry-After while it is loading or shutting down, 503 after it failed."""
     services = get_services(request)
     healthy, status, _ = services.health()
     if not healthy:
+        if status == "draining":
+            raise shutting_down()
         if status == "loading":
             raise ApiError(503, "the model is still loading", headers={"Retry-After": "5"})
         raise ApiError(503, "the engine has failed; see /health")
     return services.slot.engine
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; retry on another replica",
+                    headers={"Retry-After": "5"})

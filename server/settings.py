@@ -17,3 +17,4 @@ class Settings:
     default_completion_tokens: int = 16      # OpenAI's documented default for /v1/completions
     log_prompts: bool = False                # debug: put prompt and generated text into the logs
     log_level: str = "info"
+    shutdown_timeout: float = 30.0           # on SIGTERM: seconds running requests may still take

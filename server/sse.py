@@ -4,6 +4,7 @@ import json
 from collections.abc import AsyncIterator
 
 from fastapi.sse import EventSourceResponse, format_sse_event
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from .generation import Generation
@@ -57,5 +58,19 @@ class GenerationEventStream(EventSourceResponse):
                 await aclose()
 
 
-SSE_RESPONSE_DOC = {"text/event-stream": {"schema": {"type": "string"},
-                                          "description": "Server-sent events, one `data:` line each."}}
+EVENT_MODELS: list[type[BaseModel]] = []     # the app adds their schemas to the OpenAPI components
+
+
+def event_stream_doc(*event_models: type[BaseModel], done: bool = False) -> dict:
+    """The OpenAPI content of a text/event-stream response, as FastAPI documents its own event
+    streams: ``itemSchema`` describes one event, whose ``data`` is the JSON of one of
+    ``event_models`` (or, with ``done``, the literal ``[DONE]``)."""
+    EVENT_MODELS.extend(m for m in event_models if m not in EVENT_MODELS)
+    json_data = {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"}
+                                             for m in event_models]}}
+    data = {"anyOf": [{"type": "string", "const": "[DONE]"}, json_data]} if done else json_data
+    return {"text/event-stream": {"itemSchema": {
+        "type": "object", "required": ["data"],
+        "properties": {"data": data, "event": {"type": "string"}, "id": {"type": "string"},
+                       "retry": {"type": "integer", "minimum": 0}}}}}

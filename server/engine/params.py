@@ -17,6 +17,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0                 # EOS and stop_token_ids do not end the request before this many
+    stop_token_ids: frozenset[int] = frozenset()   # these end the request ("stop"), as EOS does
 
     @property
     def greedy(self) -> bool:

@@ -21,6 +21,7 @@ import logging
 import logging.config
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 
@@ -104,6 +105,9 @@ class _Router:
 def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, inbox, outboxes,
               log_config: dict | None):
     """The core process: loads the model, then steps until told to stop."""
+    # Ctrl-C reaches the whole process group; the server drains its requests and then stops
+    # the core with a message, so the core must not die of the interrupt before that.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if log_config is not None:
         logging.config.dictConfig(log_config)
     transformers.utils.logging.disable_progress_bar()

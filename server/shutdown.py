@@ -1,0 +1,87 @@
+"""Graceful drain on SIGTERM / SIGINT.
+
+The first signal starts a drain while the server keeps listening: new requests answer 503 with
+Retry-After and /health answers 503, so a load balancer stops routing here; running requests
+may finish for up to ``shutdown_timeout`` seconds; the server then ends those still running
+(their streams get a proper last event) and uvicorn shuts down with nothing left to cut off.
+The process exits 0. A second SIGINT (Ctrl-C twice) stops at once.
+"""
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from types import FrameType
+
+import uvicorn
+
+from .services import Services
+
+log = logging.getLogger("server.shutdown")
+
+FINAL_EVENTS_S = 5.0      # after ending the requests: time for their last events to be written
+IDLE_ENGINE_S = 2.0       # time for the engine to report its KV blocks free
+
+
+async def drain(services: Services, timeout: float) -> None:
+    """Stops admitting, waits up to ``timeout`` s for the running requests, then ends the rest."""
+    services.draining = True
+    running = services.generations
+    log.info("shutting down: new requests get 503; waiting for running requests",
+             extra={"fields": {"running_requests": len(running), "shutdown_timeout_s": timeout}})
+    await _until(lambda: not running, timeout)
+    if running:
+        ended = list(running)
+        log.warning("shutdown timeout reached: the server ends the requests still running",
+                    extra={"fields": {"ended_requests": len(ended),
+                                      "request_ids": [g.request_id for g in ended]}})
+        for generation in ended:
+            generation.end_by_server()
+        await _until(lambda: not running, FINAL_EVENTS_S)
+    engine = services.slot.engine
+    if engine is not None and engine.error is None:
+        await _until(lambda: engine.stats().kv_blocks_used == 0 and engine.stats().running == 0,
+                     IDLE_ENGINE_S)
+    stats = engine.stats() if engine is not None else None
+    log.info("drained", extra={"fields": {
+        "unfinished_streams": len(running),
+        "kv_blocks_used": stats.kv_blocks_used if stats is not None else None}})
+
+
+async def _until(condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with its signal handling replaced: a signal starts ``drain()`` and uvicorn's own
+    shutdown follows it. Unlike uvicorn's, the process does not re-raise the signal on its way
+    out, so it exits with status 0."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]):
+        super().__init__(config)
+        self._drain = drain
+        self._drain_signal: int | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_signal is None:
+            self._drain_signal = sig
+        elif sig == signal.SIGINT:
+            log.warning("second interrupt: stopping without waiting for running requests")
+            self.should_exit = self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_signal is not None and self._drain_task is None and not self.should_exit:
+            log.info("received %s", signal.Signals(self._drain_signal).name)
+            self._drain_task = asyncio.create_task(self._drain_then_exit())
+        return await super().on_tick(counter)
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._drain()
+        except Exception:
+            log.exception("draining failed")
+        self.should_exit = True

@@ -1,0 +1,202 @@
+"""Graceful drain (``server/shutdown.py``): real servers on a tiny random model, signalled with
+streams of both APIs in flight."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from .conftest import REPO, free_port, metric_value
+from .test_http_app import FakeEngine, client_for
+
+pytestmark = pytest.mark.slow
+MODEL = "random:tiny"
+
+
+class Server:
+    def __init__(self, log_path, *args):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "server", "--model", MODEL, "--device", "cpu", "--port", str(self.port),
+                 "--max-batch", "8", *args],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log()[-4000:]
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.kill()
+        pytest.fail("not healthy:\n" + self.log()[-4000:])
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail("did not exit in time:\n" + self.log()[-4000:])
+
+
+class Stream(threading.Thread):
+    """One streamed request; ``events`` are its ``data:`` payloads, ``first`` is set at the first."""
+
+    def __init__(self, url: str, path: str, body: dict):
+        super().__init__(daemon=True)
+        self.url, self.path, self.body = url, path, body
+        self.events: list = []
+        self.first = threading.Event()
+        self.error: Exception | None = None
+        self.complete = False          # the chunked body ended properly
+
+    def run(self):
+        try:
+            with httpx.stream("POST", self.url + self.path, json=self.body, timeout=120) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        payload = line[5:].strip()
+                        self.events.append(payload if payload == "[DONE]" else json.loads(payload))
+                        self.first.set()
+            self.complete = True
+        except Exception as exc:       # a cut-off stream shows here
+            self.error = exc
+        finally:
+            self.first.set()
+
+
+def streams(url: str, new_tokens: int) -> tuple[Stream, Stream]:
+    tgi = Stream(url, "/generate_stream", {"inputs": "Count:", "parameters": {"max_new_tokens": new_tokens,
+                                                                              "ignore_eos": True}})
+    openai = Stream(url, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Count:"}], "max_tokens": new_tokens,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    for s in (tgi, openai):
+        s.start()
+    for s in (tgi, openai):
+        assert s.first.wait(120) and s.error is None, s.error
+    return tgi, openai
+
+
+def check_refusing(server: Server) -> None:
+    """While draining: /health 503, new requests 503 with Retry-After on both APIs."""
+    r = httpx.get(server.url + "/health", timeout=10)
+    assert r.status_code == 503 and r.json()["status"] == "draining"
+    r = httpx.post(server.url + "/generate", json={"inputs": "x"}, timeout=10)
+    assert r.status_code == 503 and r.headers["retry-after"] and "shutting down" in r.json()["error"]
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=10)
+    assert r.status_code == 503 and r.headers["retry-after"] and "shutting down" in r.json()["error"]["message"]
+
+
+def check_clean_exit(server: Server, code: int) -> str:
+    log = server.log()
+    assert code == 0, log[-4000:]
+    assert "Traceback" not in log and "leaked semaphore" not in log and "Exception in ASGI" not in log
+    assert "client disconnected" not in log
+    drained = [json.loads(line) for line in log.splitlines() if '"msg": "drained"' in line]
+    # every worker drained; the last to finish saw the engine hold no KV block
+    assert drained and all(d["unfinished_streams"] == 0 for d in drained), drained
+    assert drained[-1]["kv_blocks_used"] == 0, drained
+    return log
+
+
+def test_sigterm_lets_running_streams_finish_within_the_timeout(tmp_path):
+    server = Server(tmp_path / "server.log", "--shutdown-timeout", "60")
+    try:
+        tgi, openai = streams(server.url, new_tokens=40)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        check_refusing(server)
+        for s in (tgi, openai):
+            s.join(120)
+        code = server.wait(60)
+    finally:
+        server.kill()
+    for s in (tgi, openai):
+        assert s.complete and s.error is None, s.error
+    last = tgi.events[-1]
+    assert last["details"]["finish_reason"] == "length" and last["details"]["generated_tokens"] == 40
+    assert openai.events[-1] == "[DONE]"
+    assert openai.events[-2]["usage"]["completion_tokens"] == 40
+    assert openai.events[-3]["choices"][0]["finish_reason"] == "length"
+    log = check_clean_exit(server, code)
+    assert "the server ends the requests still running" not in log
+
+
+@pytest.mark.parametrize("workers, sig", [("1", signal.SIGTERM), ("2", signal.SIGINT)])
+def test_streams_running_past_the_timeout_are_ended_with_a_proper_last_event(tmp_path, workers, sig):
+    """SIGINT goes to the whole process group, as Ctrl-C does: the engine process must not die
+    of it before the workers have ended their streams."""
+    server = Server(tmp_path / "server.log", "--shutdown-timeout", "2", "--api-workers", workers)
+    plain: list[httpx.Response] = []
+    waiting = threading.Thread(target=lambda: plain.append(httpx.post(
+        server.url + "/generate", json={"inputs": "Count:", "parameters": {"max_new_tokens": 4000,
+                                                                          "ignore_eos": True}}, timeout=120)))
+    try:
+        tgi, openai = streams(server.url, new_tokens=4000)
+        waiting.start()
+        deadline = time.monotonic() + 60       # all three decoding before the signal
+        while metric_value(httpx.get(server.url + "/metrics", timeout=10).text, "llm_num_requests_running") < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        signalled = time.monotonic()
+        if sig == signal.SIGINT:
+            os.killpg(server.process.pid, signal.SIGINT)
+        else:
+            server.process.send_signal(sig)
+        time.sleep(0.5)
+        check_refusing(server)
+        for s in (tgi, openai, waiting):
+            s.join(60)
+        ended = time.monotonic() - signalled
+        code = server.wait(60)
+    finally:
+        server.kill()
+    assert 2 <= ended < 20
+    for s in (tgi, openai):
+        assert s.complete and s.error is None, s.error
+    assert tgi.events[-1]["error_type"] == "incomplete_generation"
+    assert "shutting down" in tgi.events[-1]["error"]
+    assert all("token" in e for e in tgi.events[:-1])
+    assert openai.events[-1] == "[DONE]"
+    usage = openai.events[-2]["usage"]
+    assert openai.events[-2]["choices"] == [] and 0 < usage["completion_tokens"] < 4000
+    assert openai.events[-3]["choices"][0]["finish_reason"] == "abort"
+    # the non-streaming request: 503, to be retried elsewhere
+    (r,) = plain
+    assert r.status_code == 503 and r.headers["retry-after"] and "ended the request after" in r.json()["error"]
+    log = check_clean_exit(server, code)
+    assert log.count("the server ended the request (shutting down)") == 3
+
+
+def test_draining_app_refuses_new_work_and_health_says_so():
+    """The in-process view of the same: a draining app's routes answer 503 with Retry-After."""
+    with client_for(FakeEngine()) as client:
+        client.app.state.services.draining = True
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "draining"
+        for path, body in [("/generate", {"inputs": "x"}),
+                           ("/v1/completions", {"model": "fake-model", "prompt": "x"})]:
+            r = client.post(path, json=body)
+            assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert client.get("/metrics").status_code == 200
