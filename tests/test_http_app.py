@@ -294,7 +294,8 @@ def test_completion_logprobs_and_echo():
         assert choice["text"] == "abw0 w1 "
         assert choice["logprobs"]["tokens"] == ["w0 ", "w1 "]
         assert choice["logprobs"]["text_offset"] == [2, 5]
-        assert r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+        assert r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_token_id_prompts_are_checked_against_the_vocabulary():

@@ -501,11 +501,12 @@ def test_against_the_live_server_on_the_embedded_model(live_server, tmp_path, ba
 def test_a_shared_prefix_is_served_from_the_live_servers_cache(live_server, tmp_path):
     rc = loadgen.main(["--base-url", live_server, "--concurrency", "1", "--num-prompts", "3", "--input-len", "16",
                        "--output-len", "2", "--shared-prefix", "300", "--warmup", "1", "--no-progress", "--no-plots",
-                       "--strict", "--out-dir", str(tmp_path)])
-    assert rc == 0
+                       "--out-dir", str(tmp_path)])
     level = _load(tmp_path)["levels"][0]
-    assert all(r["cached_tokens_reported"] >= 256 for r in level["requests"])    # two blocks of 128
-    assert level["summary"]["cached_prompt_share"] > 0.7
+    got = [(r["ok"], r["error"], r["prompt_tokens_reported"], r["cached_tokens_reported"]) for r in level["requests"]]
+    assert rc == 0 and level["summary"]["completed"] == 3, got
+    assert all(cached >= 256 for _, _, _, cached in got), got                   # two blocks of 128
+    assert level["summary"]["cached_prompt_share"] > 0.7, got
 
 
 @pytest.mark.slow
