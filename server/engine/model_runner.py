@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import kernels
-from models import AttentionBatch, FusedLlama, LoadedModel, forward_logits, fused_unsupported_reason, head_dim_of
+from models import AttentionBatch, FusedLlama, cpu_forward, LoadedModel, forward_logits, fused_unsupported_reason, head_dim_of
 
 from .config import EngineConfig
 from .graphs import capture_graphs
@@ -33,6 +33,7 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int):
         self.model = loaded.model
+        self.gguf_path = loaded.gguf_path
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.block_size = config.block_size
@@ -76,6 +77,13 @@ class ModelRunner:
 
     def _pick_forward(self, config: EngineConfig):
         reason = fused_unsupported_reason(self.model) if config.fused_layers else "turned off"
+        if self.device.type == "cpu":
+            if reason is None:
+                step = cpu_forward(self.model, self.gguf_path, config.cpu_weights, self.max_model_len)
+                log.info("CPU weights: %s", step.describe)
+                return step
+            if config.cpu_weights == "quantized":
+                raise ValueError(f"cpu_weights 'quantized' needs a Llama-family model the CPU step runs: {reason}")
         if reason is None:
             try:
                 fused = FusedLlama(self.model, self.max_model_len)
