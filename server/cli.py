@@ -32,6 +32,7 @@ ENGINE_FLAGS = {
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+CPU_WEIGHTS = ("auto", "quantized", "float")    # models.CPU_WEIGHTS, without importing torch here
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -75,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         type=lambda v: () if v in ("", "off") else tuple(int(x) for x in v.split(",") if x),
                         help="comma-separated token counts: whole prompts packed up to one of these replay "
                              "a CUDA graph ('off': always eager; default 128,256,...,4096 on a GPU)")
+    engine.add_argument("--cpu-weights", default=_env("cpu_weights"), choices=CPU_WEIGHTS,
+                        help="CPU: run a GGUF's own quantised weights (auto: when the model has them) or float ones")
     engine.add_argument("--compile", action="store_true", default=_env("compile") == "1",
                         help="torch.compile the decode step before capturing its graphs")
     engine.add_argument("--api-workers", type=api_workers_arg, default=_env("api_workers", "auto"),
@@ -83,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--engine-thread", action="store_true", default=_env("engine_thread") == "1",
                         help="run the engine in a thread of the server process instead of a process of its own")
     args = p.parse_args(argv)
-    for flag, value, choices in (("--dtype", args.dtype, DTYPES), ("--log-level", args.log_level, LOG_LEVELS)):
+    for flag, value, choices in (("--dtype", args.dtype, DTYPES), ("--log-level", args.log_level, LOG_LEVELS),
+                                 ("--cpu-weights", args.cpu_weights, CPU_WEIGHTS)):
         if value is not None and value not in choices:     # argparse checks flags, not defaults
             p.error(f"argument {flag}: invalid choice {value!r} from the environment "
                     f"(choose from {', '.join(choices)})")
@@ -149,6 +153,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         options["cuda_graphs"] = False
     if args.compile:
         options["compile"] = True
+    if args.cpu_weights is not None:
+        options["cpu_weights"] = args.cpu_weights
     if args.prefill_graph_buckets is not None:
         options["prefill_graph_buckets"] = args.prefill_graph_buckets   # argparse parses a string default too
     return options
@@ -266,6 +272,9 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # idle OpenMP threads sleep instead of spinning: the HTTP front end and other processes
+    # on the cores keep running (on a loaded 2-core host a spinning pool ran decode 8x slower)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = parse_args(argv)
     configure_logging(args.log_level)
     settings = settings_from(args)

@@ -20,6 +20,7 @@ from models import AttentionBatch, FusedLlama, cpu_forward, LoadedModel, forward
 from .config import EngineConfig
 from .graphs import capture_graphs
 from .prefill_graphs import PrefillGraphs
+from .threads import configure_cpu_threads
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class ModelRunner:
         self.num_layers = cfg.num_hidden_layers
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
 
+        if self.device.type == "cpu":
+            configure_cpu_threads()
         if self.device.type == "cuda":
             from kernels import ops
             ops.load(self.device)              # build before any compile or capture traces the op
@@ -84,6 +87,8 @@ class ModelRunner:
                 return step
             if config.cpu_weights == "quantized":
                 raise ValueError(f"cpu_weights 'quantized' needs a Llama-family model the CPU step runs: {reason}")
+        elif config.cpu_weights == "quantized":
+            raise ValueError(f"cpu_weights 'quantized' runs on the CPU, not on {self.device}")
         if reason is None:
             try:
                 fused = FusedLlama(self.model, self.max_model_len)
