@@ -52,7 +52,7 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     split = (batch, -1, *k_cache.shape[1:])
     k = k_cache.index_select(0, plan.block_ids).view(split)              # [B, n, Hkv, bs, D]
     v = v_cache.index_select(0, plan.block_ids).view(split)
-    qg = (q.to(k.dtype) * scale).view(batch, 1, num_kv_heads, -1, head_dim)
+    qg = (q * scale).to(k.dtype).view(batch, 1, num_kv_heads, -1, head_dim)
     scores = qg @ k.transpose(-1, -2)                                     # [B, n, Hkv, G, bs]
     if plan.bias is not None:
         scores += plan.bias

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels import reference_write_kv
+
 from .attention import AttentionBatch, head_dim_of, prefill_attention
 from .cpu_attention import DecodePlan, split_kv_decode, write_new_kv
 from .quantized import ACT_DTYPE, DenseLinear, GgufTensor, Int4Linear, QuantizedEmbedding, linear_from_gguf, read_gguf
@@ -64,7 +66,7 @@ class CpuLlama:
             k_cache, v_cache = batch.kv_caches[i]
             x = F.rms_norm(residual, (self.hidden,), norm_in, self.eps)
             qkv = qkv_proj(x.to(qkv_proj.act_dtype))
-            qk = torch.view_as_complex(qkv[:, :(hq + hkv) * d].to(kv_dtype).view(tokens, hq + hkv, d // 2, 2))
+            qk = torch.view_as_complex(qkv[:, :(hq + hkv) * d].float().view(tokens, hq + hkv, d // 2, 2))
             qk = torch.view_as_real(qk * rotary).view(tokens, hq + hkv, d)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
@@ -72,9 +74,9 @@ class CpuLlama:
                 write_new_kv(k_cache, v_cache, k, v, plan)
                 attn = split_kv_decode(q, k_cache, v_cache, plan, self.scale)
             else:
-                from kernels import reference_write_kv
                 reference_write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-                attn = prefill_attention(q, k, v.to(q.dtype), self.scale, batch, k_cache, v_cache)
+                attn = prefill_attention(q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype), self.scale, batch,
+                                         k_cache, v_cache)
             residual = residual + o_proj(attn.reshape(tokens, hq * d).to(o_proj.act_dtype))
             x = F.rms_norm(residual, (self.hidden,), norm_post, self.eps).to(gate_up_proj.act_dtype)
             gate, up = gate_up_proj(x).chunk(2, dim=-1)
@@ -175,13 +177,13 @@ def from_dense(model, max_positions: int) -> CpuLlama:
     for layer in core.layers[:cfg.num_hidden_layers]:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([attn.q_proj.weight[q_rows], attn.k_proj.weight[k_rows], attn.v_proj.weight])
-        layers.append((layer.input_layernorm.weight.float(), dense(qkv), dense(attn.o_proj.weight),
-                       layer.post_attention_layernorm.weight.float(),
+        layers.append((layer.input_layernorm.weight, dense(qkv), dense(attn.o_proj.weight),
+                       layer.post_attention_layernorm.weight,
                        dense(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), dense(mlp.down_proj.weight)))
     embed_weight = core.embed_tokens.weight
     head = dense(model.lm_head.weight)
     describe = f"float ({dtype}, {sum(p.numel() for p in model.parameters()) * embed_weight.element_size() / 1e6:.0f} MB)"
-    return CpuLlama(model, layers, lambda ids: F.embedding(ids, embed_weight), head, core.norm.weight.float(),
+    return CpuLlama(model, layers, lambda ids: F.embedding(ids, embed_weight), head, core.norm.weight,
                     max_positions, describe)
 
 
