@@ -8,6 +8,10 @@ MODEL ?= default
 # The CPU build of torch; a GPU host overrides this (or brings torch in its image).
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# llama.cpp for `make bench-cpu LLAMA_CPP=1`: built from source for this CPU, in its own environment.
+LLAMA_VENV ?= .cache/llama-venv
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+LLAMA_STAMP := $(LLAMA_VENV)/.installed
 
 .PHONY: run test test-gpu bench-cpu clean
 
@@ -25,8 +29,15 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
 
-bench-cpu: $(STAMP)
-	$(PY) -m load_tests.engine_bench --device cpu --model default --dtype float32 --batch 1 --prompt-len 128 --new-tokens 64 --hf default --repeats 5 --out results/cpu_bench.json
+$(LLAMA_STAMP):
+	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMA_VENV)/bin/pip install -q --no-binary llama-cpp-python "$(LLAMA_CPP_SPEC)"
+	touch $(LLAMA_STAMP)
+
+# Ours (quantised and float weights), transformers' generate and, with LLAMA_CPP=1, llama.cpp.
+bench-cpu: $(STAMP) $(if $(filter 1,$(LLAMA_CPP)),$(LLAMA_STAMP))
+	$(PY) -m load_tests.cpu_bench --repeats 3 --out results/cpu_bench.json \
+		$(if $(filter 1,$(LLAMA_CPP)),--llama-python $(LLAMA_VENV)/bin/python)
 
 clean:
 	rm -rf $(VENV) .cache

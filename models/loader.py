@@ -31,6 +31,7 @@ class LoadedModel:
     max_model_len: int
     device: torch.device
     dtype: torch.dtype
+    gguf_path: Path | None = None      # the file the weights came from, for the CPU's quantised step
 
     @property
     def config(self):
@@ -171,7 +172,8 @@ def load_model(spec: str = "default", dtype: str | None = None, device: str | to
     model.eval().requires_grad_(False)
     max_len = int(getattr(model.config, "max_position_embeddings", 2048))
     log.info("loaded %s (%s, %s) in %.1f s", source.name, torch_dtype, device, time.monotonic() - started)
-    return LoadedModel(model, tokenizer, source.name, max_len, device, torch_dtype)
+    return LoadedModel(model, tokenizer, source.name, max_len, device, torch_dtype,
+                       gguf_path=source.path if source.kind == "gguf" else None)
 
 
 def prepare(spec: str = "default") -> Path | None:

@@ -32,6 +32,7 @@ ENGINE_FLAGS = {
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+CPU_WEIGHTS = ("auto", "quantized", "float")    # models.CPU_WEIGHTS, without importing torch here
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -81,13 +82,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         type=lambda v: () if v in ("", "off") else tuple(int(x) for x in v.split(",") if x),
                         help="comma-separated token counts: whole prompts packed up to one of these replay "
                              "a CUDA graph ('off': always eager; default 128,256,...,4096 on a GPU)")
+    engine.add_argument("--cpu-weights", default=_env("cpu_weights"), choices=CPU_WEIGHTS,
+                        help="CPU: run a GGUF's own quantised weights (auto: when the model has them) or float ones")
     engine.add_argument("--api-workers", type=api_workers_arg, default=_env("api_workers", "auto"),
                         help="HTTP worker processes in front of the one engine process; queue limits apply "
                              "per worker (default auto: on a GPU one per 4 CPU cores, at most 4; on the CPU 1)")
     engine.add_argument("--engine-thread", action="store_true", default=_env("engine_thread") == "1",
                         help="run the engine in a thread of the server process instead of a process of its own")
     args = p.parse_args(argv)
-    for flag, value, choices in (("--dtype", args.dtype, DTYPES), ("--log-level", args.log_level, LOG_LEVELS)):
+    for flag, value, choices in (("--dtype", args.dtype, DTYPES), ("--log-level", args.log_level, LOG_LEVELS),
+                                 ("--cpu-weights", args.cpu_weights, CPU_WEIGHTS)):
         if value is not None and value not in choices:     # argparse checks flags, not defaults
             p.error(f"argument {flag}: invalid choice {value!r} from the environment "
                     f"(choose from {', '.join(choices)})")
@@ -154,6 +158,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         options["cuda_graphs"] = False
     if args.no_prefix_caching:
         options["prefix_caching"] = False
+    if args.cpu_weights is not None:
+        options["cpu_weights"] = args.cpu_weights
     if args.prefill_graph_buckets is not None:
         options["prefill_graph_buckets"] = args.prefill_graph_buckets   # argparse parses a string default too
     return options
@@ -276,6 +282,9 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # idle OpenMP threads sleep instead of spinning: the HTTP front end and other processes
+    # on the cores keep running (on a loaded 2-core host a spinning pool ran decode 8x slower)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = parse_args(argv)
     configure_logging(args.log_level)
     settings = settings_from(args)

@@ -33,7 +33,7 @@ def sdpa_model():
 
 @pytest.fixture(scope="module")
 def engine(ours):
-    engine = Engine(ours, EngineConfig(max_batch=8, num_blocks=256, block_size=16))
+    engine = Engine(ours, EngineConfig(max_batch=8, num_blocks=256, block_size=16, cpu_weights="float"))
     engine.start()
     yield engine
     engine.shutdown()
@@ -52,7 +52,8 @@ def test_teacher_forced_logits_match_sdpa(ours, sdpa_model, fused):
     full = torch.tensor([prompt + continuation])
     expected = sdpa_model(full).logits[0, len(prompt) - 1:-1]          # predicts each continuation token
 
-    runner = ModelRunner(ours, EngineConfig(max_batch=4, num_blocks=32, block_size=16, fused_layers=fused),
+    runner = ModelRunner(ours, EngineConfig(max_batch=4, num_blocks=32, block_size=16, fused_layers=fused,
+                                            cpu_weights="float"),
                          max_model_len=512)
     blocks = BlockManager(runner.num_blocks, runner.block_size)
     seq = Sequence("tf", prompt, SamplingParams(), seed=0)

@@ -21,6 +21,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     prefix_caching: bool = True              # full KV blocks of earlier requests serve later ones
     fused_layers: bool = True                # Llama models run models.FusedLlama (else transformers' layers)
+    cpu_weights: str = "auto"                # CPU: a GGUF's own quantised weights (auto, quantized) or float
     graph_buckets: tuple[int, ...] | None = None   # decode batch sizes captured; None: 1, 2, 4, ... max_batch
     # Whole prompts, up to prefill_graph_max_seqs of them and these many tokens in all, are
     # prefilled packed and padded to the next bucket, replayed from CUDA graphs on a GPU (eagerly

@@ -14,13 +14,14 @@ import numpy as np
 import torch
 
 import kernels
-from models import AttentionBatch, FusedLlama, LoadedModel, forward_logits, fused_unsupported_reason, head_dim_of
+from models import AttentionBatch, FusedLlama, cpu_forward, LoadedModel, forward_logits, fused_unsupported_reason, head_dim_of
 
 from .config import EngineConfig
 from .graphs import capture_graphs
 from .pipeline import DecodeInputs, Sampled, StepPipeline
 from .prefill_graphs import PrefillGraphs, key_rows
 from .sampler import SamplingRows, sample
+from .threads import configure_cpu_threads
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int):
         self.model = loaded.model
+        self.gguf_path = loaded.gguf_path
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.block_size = config.block_size
@@ -46,6 +48,8 @@ class ModelRunner:
         self.num_layers = cfg.num_hidden_layers
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
 
+        if self.device.type == "cpu":
+            configure_cpu_threads()
         if self.device.type == "cuda":
             from kernels import ops
             ops.load(self.device)              # build before any capture traces the op
@@ -73,6 +77,15 @@ class ModelRunner:
 
     def _pick_forward(self, config: EngineConfig):
         reason = fused_unsupported_reason(self.model) if config.fused_layers else "turned off"
+        if self.device.type == "cpu":
+            if reason is None:
+                step = cpu_forward(self.model, self.gguf_path, config.cpu_weights, self.max_model_len)
+                log.info("CPU weights: %s", step.describe)
+                return step
+            if config.cpu_weights == "quantized":
+                raise ValueError(f"cpu_weights 'quantized' needs a Llama-family model the CPU step runs: {reason}")
+        elif config.cpu_weights == "quantized":
+            raise ValueError(f"cpu_weights 'quantized' runs on the CPU, not on {self.device}")
         if reason is None:
             try:
                 fused = FusedLlama(self.model, self.max_model_len)

@@ -1,0 +1,72 @@
+"""Split-KV decode attention over the paged cache on the CPU, one split per cache block.
+
+The same algorithm and result as ``kernels.reference_decode`` (each split's softmax-normalised
+partial output and log-sum-exp, merged exactly), with the split boundaries at the cache's own
+blocks: each sequence's blocks are read in place of a dense copy of its keys padded to the
+split grid, and everything that depends only on the batch (block ids, the mask of positions
+past each sequence's end) is computed once per step, not once per layer.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DecodePlan:
+    """What a decode step's attention needs in every layer, derived once from the batch."""
+    block_ids: torch.Tensor      # [B * n] int64: the n blocks holding each sequence's tokens
+    bias: torch.Tensor | None    # [B, n, 1, 1, block_size]: 0 where a token exists, -inf past the end
+    has_empty: bool              # some sequence has fewer than n blocks (an empty split)
+    slot_blocks: torch.Tensor    # [B] the new token's block
+    slot_rows: torch.Tensor      # [B] and its row in it
+
+    @classmethod
+    def make(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
+             block_size: int) -> "DecodePlan":
+        longest = int(seq_lens.max())
+        n = -(-longest // block_size)
+        block_ids = block_tables[:, :n].reshape(-1).long().clamp_(0, None)
+        bias, has_empty = None, False
+        if bool((seq_lens != n * block_size).any()):
+            positions = torch.arange(n * block_size).view(1, n, 1, 1, block_size)
+            past_end = positions >= seq_lens.view(-1, 1, 1, 1, 1)
+            bias = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
+            has_empty = bool((seq_lens <= (n - 1) * block_size).any())
+        slots = slots.long()
+        return cls(block_ids, bias, has_empty, slots // block_size, slots % block_size)
+
+
+def write_new_kv(k_cache, v_cache, key, value, plan: DecodePlan) -> None:
+    """Store a decode step's ``key/value [B, Hkv, D]`` (every row a real token)."""
+    k_cache[plan.slot_blocks, :, plan.slot_rows] = key.to(k_cache.dtype)
+    v_cache[plan.slot_blocks, :, plan.slot_rows] = value.to(v_cache.dtype)
+
+
+def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
+                    scale: float) -> torch.Tensor:
+    """``q [B, Hq, D]`` -> ``[B, Hq, D]``; caches ``[num_blocks, Hkv, block_size, D]``.
+    Computes in the cache's dtype (float32 or float64)."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    split = (batch, -1, *k_cache.shape[1:])
+    k = k_cache.index_select(0, plan.block_ids).view(split)              # [B, n, Hkv, bs, D]
+    v = v_cache.index_select(0, plan.block_ids).view(split)
+    qg = (q * scale).to(k.dtype).view(batch, 1, num_kv_heads, -1, head_dim)
+    scores = qg @ k.transpose(-1, -2)                                     # [B, n, Hkv, G, bs]
+    if plan.bias is not None:
+        scores += plan.bias
+    m = scores.amax(dim=-1, keepdim=True)
+    if plan.has_empty:
+        m = torch.nan_to_num(m, neginf=0.0)                               # an empty split's m is -inf
+    p = torch.exp(scores - m)
+    l = p.sum(dim=-1, keepdim=True)
+    if plan.has_empty:
+        l = l.clamp_min(torch.finfo(l.dtype).tiny)                        # and its l is 0
+    o = (p @ v) / l                                                       # [B, n, Hkv, G, D]
+    if o.shape[1] > 1:
+        lse = m + torch.log(l)                                            # -inf for an empty split
+        o = (torch.softmax(lse, dim=1) * o).sum(dim=1)
+    else:
+        o = o[:, 0]
+    return o.reshape(batch, num_q_heads, head_dim)

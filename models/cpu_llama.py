@@ -1,0 +1,208 @@
+"""A Llama-family model step on the CPU: the GGUF's own low-bit weights, few ops per layer.
+
+Same contract as ``FusedLlama`` and ``forward_logits``. The projections run either the
+file's quantised weights (``models.quantized``: packed int4, bfloat16 activations) or the
+model's dense float weights (in the model's dtype); the residual stream, norms, rotary
+embedding and attention stay in the KV cache's dtype (float32 by default). Query and key
+heads are kept in the interleaved-pair layout of the GGUF file (so the rotary embedding is one
+complex multiply); dense rotate-half weights are permuted into it once. Attention scores are
+dot products over the same permutation of query and key, so the model computed is the same.
+"""
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels import reference_write_kv
+
+from .attention import AttentionBatch, head_dim_of, prefill_attention
+from .cpu_attention import DecodePlan, split_kv_decode, write_new_kv
+from .quantized import ACT_DTYPE, DenseLinear, GgufTensor, Int4Linear, QuantizedEmbedding, linear_from_gguf, read_gguf
+
+log = logging.getLogger(__name__)
+
+CPU_WEIGHTS = ("auto", "quantized", "float")
+
+
+def interleave_rows(num_heads: int, head_dim: int) -> np.ndarray:
+    """Row order taking rotate-half heads (pairs i, i + D/2) to interleaved ones (2i, 2i + 1)."""
+    return np.arange(num_heads * head_dim).reshape(num_heads, 2, head_dim // 2).transpose(0, 2, 1).reshape(-1)
+
+
+class CpuLlama:
+    def __init__(self, model, layers, embed, head, final_norm: torch.Tensor, max_positions: int, describe: str):
+        cfg = model.config
+        self.num_q_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        self.hidden = cfg.hidden_size
+        self.scale = model.model.layers[0].self_attn.scaling
+        self.eps = cfg.rms_norm_eps
+        self.layers, self.embed, self.head, self.final_norm = layers, embed, head, final_norm
+        self.describe = describe
+        positions = torch.arange(max_positions).unsqueeze(0)
+        cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+        half = self.head_dim // 2
+        cos, sin = cos[0, :, :half].float(), sin[0, :, :half].float()
+        self.rotary = torch.complex(cos, sin)                  # [max_positions, D/2]
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        ids, positions = input_ids.reshape(-1), positions.reshape(-1)
+        tokens = ids.shape[0]
+        hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+        kv_dtype = batch.kv_caches[0][0].dtype
+        plan = None
+        if batch.is_decode:
+            plan = DecodePlan.make(batch.block_tables, batch.seq_lens, batch.slot_mapping,
+                                   batch.kv_caches[0][0].shape[2])
+        rotary = self.rotary[positions.long()].unsqueeze(1)                     # [T, 1, D/2]
+        residual = self.embed(ids).to(kv_dtype)
+        for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(self.layers):
+            k_cache, v_cache = batch.kv_caches[i]
+            x = F.rms_norm(residual, (self.hidden,), norm_in, self.eps)
+            qkv = qkv_proj(x.to(qkv_proj.act_dtype))
+            qk = torch.view_as_complex(qkv[:, :(hq + hkv) * d].float().view(tokens, hq + hkv, d // 2, 2))
+            qk = torch.view_as_real(qk * rotary).view(tokens, hq + hkv, d)
+            q, k = qk[:, :hq], qk[:, hq:]
+            v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
+            if plan is not None:
+                write_new_kv(k_cache, v_cache, k, v, plan)
+                attn = split_kv_decode(q, k_cache, v_cache, plan, self.scale)
+            else:
+                reference_write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+                attn = prefill_attention(q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype), self.scale, batch,
+                                         k_cache, v_cache)
+            residual = residual + o_proj(attn.reshape(tokens, hq * d).to(o_proj.act_dtype))
+            x = F.rms_norm(residual, (self.hidden,), norm_post, self.eps).to(gate_up_proj.act_dtype)
+            gate, up = gate_up_proj(x).chunk(2, dim=-1)
+            residual = residual + down_proj(F.silu(gate) * up)
+        x = F.rms_norm(residual, (self.hidden,), self.final_norm, self.eps)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return self.head(x.to(self.head.act_dtype)).float()
+
+
+def _act_dtype(linear, dtype):
+    linear.act_dtype = dtype
+    return linear
+
+
+def _concat_rows(tensors: list[GgufTensor]) -> GgufTensor | None:
+    first = tensors[0]
+    if any(t.qtype != first.qtype or t.shape[1:] != first.shape[1:] for t in tensors):
+        return None
+    data = np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in tensors])
+    return GgufTensor("+".join(t.name for t in tensors), first.qtype, (data.shape[0], *first.shape[1:]), data)
+
+
+class _Rows:
+    """Projections whose outputs are concatenated (the q/k/v or gate/up of a layer)."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.act_dtype = parts[0].act_dtype
+
+    def __call__(self, x):
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def _fused_linear(tensors: list[GgufTensor]):
+    joined = _concat_rows(tensors)
+    if joined is not None:
+        return _act_dtype(linear_from_gguf(joined), ACT_DTYPE)
+    return _Rows([_act_dtype(linear_from_gguf(t), ACT_DTYPE) for t in tensors])
+
+
+def gguf_unsupported_reason(model, tensors: dict[str, GgufTensor], arch: str) -> str | None:
+    cfg = model.config
+    if arch != "llama" or cfg.model_type != "llama":
+        return f"architecture {arch!r} / model_type {cfg.model_type!r} is not llama"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False) or cfg.hidden_act != "silu":
+        return "projections with bias or an activation other than silu"
+    if f"blk.{cfg.num_hidden_layers - 1}.attn_q.weight" not in tensors:
+        return "the file's layers do not match the model's config"
+    return None
+
+
+def from_gguf(model, path: Path, max_positions: int) -> CpuLlama:
+    """The model step on the file's own quantised weights."""
+    arch, tensors = read_gguf(path)
+    reason = gguf_unsupported_reason(model, tensors, arch)
+    if reason is not None:
+        raise ValueError(f"cannot run {path.name} quantised: {reason}")
+    cfg = model.config
+    f32 = lambda name: torch.from_numpy(tensors[name].dequantize().copy())
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        t = lambda n: tensors[f"blk.{i}.{n}.weight"]
+        layers.append((f32(f"blk.{i}.attn_norm.weight"),
+                       _fused_linear([t("attn_q"), t("attn_k"), t("attn_v")]),
+                       _act_dtype(linear_from_gguf(t("attn_output")), ACT_DTYPE),
+                       f32(f"blk.{i}.ffn_norm.weight"),
+                       _fused_linear([t("ffn_gate"), t("ffn_up")]),
+                       _act_dtype(linear_from_gguf(t("ffn_down")), ACT_DTYPE)))
+    table = tensors["token_embd.weight"]
+    embed = QuantizedEmbedding(table) if QuantizedEmbedding.supports(table) else \
+        (lambda w: (lambda ids: F.embedding(ids, w)))(torch.from_numpy(table.dequantize()))
+    head = _act_dtype(linear_from_gguf(tensors.get("output.weight", table)), ACT_DTYPE)
+    all_linears = [p for layer in layers for p in (layer[1], layer[2], layer[4], layer[5])] + [head]
+    kinds = sorted({t.qtype.name for name, t in tensors.items() if name.endswith(".weight") and len(t.shape) == 2})
+    dense = sum(1 for lin in _flatten(all_linears) if isinstance(lin, DenseLinear))
+    nbytes = sum(lin.nbytes for lin in _flatten(all_linears))
+    describe = (f"quantized from {path.name} ({', '.join(kinds)}; {nbytes / 1e6:.0f} MB of projection weights, "
+                f"{dense} dense): int4 matmuls with bfloat16 activations")
+    return CpuLlama(model, layers, embed, head, f32("output_norm.weight"), max_positions, describe)
+
+
+def _flatten(linears):
+    for lin in linears:
+        yield from (lin.parts if isinstance(lin, _Rows) else [lin])
+
+
+def from_dense(model, max_positions: int) -> CpuLlama:
+    """The model step on the model's own float weights (its dtype)."""
+    cfg = model.config
+    core = model.model
+    d = head_dim_of(cfg)
+    q_rows = torch.from_numpy(interleave_rows(cfg.num_attention_heads, d))
+    k_rows = torch.from_numpy(interleave_rows(cfg.num_key_value_heads, d))
+    dtype = core.embed_tokens.weight.dtype
+    dense = lambda w: _act_dtype(DenseLinear(w.contiguous()), dtype)
+    layers = []
+    for layer in core.layers[:cfg.num_hidden_layers]:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = torch.cat([attn.q_proj.weight[q_rows], attn.k_proj.weight[k_rows], attn.v_proj.weight])
+        layers.append((layer.input_layernorm.weight, dense(qkv), dense(attn.o_proj.weight),
+                       layer.post_attention_layernorm.weight,
+                       dense(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), dense(mlp.down_proj.weight)))
+    embed_weight = core.embed_tokens.weight
+    head = dense(model.lm_head.weight)
+    describe = f"float ({dtype}, {sum(p.numel() for p in model.parameters()) * embed_weight.element_size() / 1e6:.0f} MB)"
+    return CpuLlama(model, layers, lambda ids: F.embedding(ids, embed_weight), head, core.norm.weight,
+                    max_positions, describe)
+
+
+def cpu_forward(model, gguf_path: Path | None, mode: str, max_positions: int) -> CpuLlama:
+    """The CPU model step for ``--cpu-weights mode``: 'quantized' needs a GGUF source the file's
+    layout fits; 'auto' takes it where it does, else the float weights."""
+    if mode not in CPU_WEIGHTS:
+        raise ValueError(f"cpu_weights {mode!r} is not one of {', '.join(CPU_WEIGHTS)}")
+    if mode == "float":
+        return from_dense(model, max_positions)
+    if gguf_path is None:
+        if mode == "quantized":
+            raise ValueError("cpu_weights 'quantized' needs a .gguf model (or the default); this model has no "
+                             "quantised file")
+        return from_dense(model, max_positions)
+    try:
+        return from_gguf(model, gguf_path, max_positions)
+    except ValueError as e:
+        if mode == "quantized":
+            raise
+        log.info("CPU weights: %s; using the float weights", e)
+        return from_dense(model, max_positions)
