@@ -126,14 +126,8 @@ def usable_cpus() -> int:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:                         # not Linux
         return os.cpu_count() or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:  # cgroup v2: "<quota> <period>" or "max <period>"
-            quota, period = f.read().split()
-        if quota != "max":
-            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return cpus
+    from .engine.threads import cgroup_cpu_limit
+    return min(cpus, cgroup_cpu_limit() or cpus)
 
 
 def resolve_device(device: str) -> str:

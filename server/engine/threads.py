@@ -26,15 +26,17 @@ def physical_cores() -> int:
                 cores.add((f.read().strip(), g.read().strip()))
         except OSError:
             cores.add(("cpu", str(cpu)))
-    count = len(cores) or len(cpus)
+    return min(len(cores) or len(cpus), cgroup_cpu_limit() or len(cpus))
+
+
+def cgroup_cpu_limit() -> int | None:
+    """CPUs a container's cgroup v2 quota allows (rounded up), or None without a quota."""
     try:
-        with open("/sys/fs/cgroup/cpu.max") as f:  # a container's quota: "<quota> <period>" or "max <period>"
+        with open("/sys/fs/cgroup/cpu.max") as f:  # "<quota> <period>" or "max <period>"
             quota, period = f.read().split()
-        if quota != "max":
-            count = min(count, max(1, -(-int(quota) // int(period))))
+        return None if quota == "max" else max(1, -(-int(quota) // int(period)))
     except (OSError, ValueError):
-        pass
-    return count
+        return None
 
 
 def configure_cpu_threads() -> int:
