@@ -149,8 +149,8 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     if workspace is None:
         workspace = default_workspace(q.device, num_q_heads, num_kv_heads, head_dim, batch,
                                       block_table.shape[1] * block_size)
-    workspace.check_call(batch, num_q_heads, num_kv_heads, head_dim, block_table.shape[1], block_size, q.device)
-    plan = workspace.plan(batch)
+    plan = workspace.check_call(batch, num_q_heads, num_kv_heads, head_dim, block_table.shape[1], block_size,
+                                q.device)
     scale = head_dim ** -0.5 if scale is None else float(scale)
     return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, plan.num_splits,
                                               plan.three_per_sm, workspace.partial_out, workspace.partial_lse,

@@ -51,9 +51,10 @@ class Workspace:
         return self.plan(batch).num_splits
 
     def check_call(self, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_blocks: int,
-                   block_size: int, device) -> None:
-        """Refuse, naming both values, a call this workspace was not planned for. ``max_blocks *
-        block_size`` (the block table's reach) bounds the call's longest sequence."""
+                   block_size: int, device) -> Plan:
+        """The plan of a call of ``batch`` sequences; refuses, naming both values, a call this
+        workspace was not planned for. ``max_blocks * block_size`` (the block table's reach)
+        bounds the call's longest sequence."""
         for what, ours, call in (("num_kv_heads", self.num_kv_heads, num_kv_heads),
                                  ("num_q_heads", self.num_q_heads, num_q_heads),
                                  ("head_dim", self.head_dim, head_dim)):
@@ -65,4 +66,4 @@ class Workspace:
                              f"{block_size})")
         if torch.device(device) != self.device:
             raise ValueError(f"the workspace is on {self.device}, this call on {device}")
-        self.plan(batch)
+        return self.plan(batch)

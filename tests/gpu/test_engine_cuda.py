@@ -25,14 +25,7 @@ def teacher_forced_logits(loaded, prompt, continuation, cuda_graphs, fused=True)
     blocks = BlockManager(runner.num_blocks, runner.block_size)
     seq = Sequence("tf", prompt, SamplingParams(), seed=0)
     blocks.grow(seq.block_table, seq.length)
-    rows = [runner.prefill([(seq, seq.length)])[0].float()]
-    seq.num_cached = seq.length
-    for token in continuation[:-1]:
-        seq.append(token)
-        blocks.grow(seq.block_table, seq.length)
-        rows.append(runner.decode([seq])[0].float())
-        seq.num_cached = seq.length
-    return torch.stack(rows)
+    return decode_continuation(runner, blocks, seq, runner.prefill([(seq, seq.length)])[0], continuation)
 
 
 @torch.inference_mode()
@@ -54,7 +47,13 @@ def teacher_forced_after_a_cached_prefix(loaded, prompt, continuation, fused=Tru
     blocks.grow(seq.block_table, seq.length)
     if prefill_graphs:
         assert runner.prefill_graphs.bucket_for([(seq, seq.length - seq.num_cached)])[1] > 0
-    rows = [runner.prefill([(seq, seq.length - seq.num_cached)])[0].float()]
+    return decode_continuation(runner, blocks, seq, runner.prefill([(seq, seq.length - seq.num_cached)])[0],
+                               continuation)
+
+
+def decode_continuation(runner, blocks, seq, first_logits, continuation):
+    """Logits of the prefill's last position, then of each decode step fed ``continuation``."""
+    rows = [first_logits.float()]
     seq.num_cached = seq.length
     for token in continuation[:-1]:
         seq.append(token)
