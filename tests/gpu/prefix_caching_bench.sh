@@ -9,7 +9,7 @@
 # for the prompts with nothing shared.
 #
 #   bash tests/gpu/prefix_caching_bench.sh OUT_DIR
-#   MODELS=random:tiny DEVICE=cpu PREFIX=64 OWN=8 OUTPUT=4 REQUESTS=8 TURNS=2 bash tests/gpu/prefix_caching_bench.sh /tmp/p
+#   MODELS=random:tiny DEVICE=cpu PREFIX=64 OWN=8 OUTPUT=4 REQUESTS=8 SECONDS_PER_LEVEL=5 TURNS=2 bash tests/gpu/prefix_caching_bench.sh /tmp/p
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: prefix_caching_bench.sh OUT_DIR}
@@ -19,7 +19,8 @@ DEVICE=${DEVICE:-cuda}
 PREFIX=${PREFIX:-2048}
 OWN=${OWN:-128}
 OUTPUT=${OUTPUT:-256}
-REQUESTS=${REQUESTS:-128}         # per level at 16 and 64 streams, in the chat and with nothing shared
+REQUESTS=${REQUESTS:-1024}        # at most this many requests per level at 16 and 64 streams, chat and nothing shared,
+SECONDS_PER_LEVEL=${SECONDS_PER_LEVEL:-10}  # and none started after this many seconds
 TURNS=${TURNS:-8}
 WORKERS=${WORKERS:-2}
 SERVER_ARGS=${SERVER_ARGS:-}
@@ -29,10 +30,13 @@ free_port() { python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1
 
 loadgen() {   # loadgen NAME ARGS...: one run against the server on $port, into $dir/NAME
   local name=$1; shift
+  local first; first=$(wc -l < "$dir/server.log")
   timeout 600 python3 -m load_tests.loadgen --base-url "http://127.0.0.1:$port" --output-len "$OUTPUT" \
-      --warmup 2 --no-progress --no-plots --workers "$WORKERS" --max-duration 60 --out-dir "$dir/$name" "$@" \
-      > "$dir/$name.log" 2>&1 \
+      --warmup 2 --no-progress --no-plots --workers "$WORKERS" --max-duration "$SECONDS_PER_LEVEL" \
+      --out-dir "$dir/$name" "$@" > "$dir/$name.log" 2>&1 \
     || { echo "loadgen $name failed:"; tail -5 "$dir/$name.log"; }
+  # the server's own timings of this run's requests (its request log), the two warm-ups left out
+  tail -n +$((first + 1)) "$dir/server.log" | grep '"request finished"' | tail -n +3 > "$dir/$name.requests.jsonl"
   grep -E "c=[0-9]+: " "$dir/$name.log" | sed "s/^.*loadgen INFO /  $name /"
 }
 
@@ -53,7 +57,8 @@ for model in $MODELS; do
     if healthy; then
       grep -E "prefix caching|captured prefill" "$dir/server.log" | sed 's/^/  /' | cut -c1-200
       loadgen shared_c1 --concurrency 1 --num-prompts 8 --shared-prefix "$PREFIX" --input-len "$OWN"
-      loadgen shared --concurrency 16,64 --num-prompts "$REQUESTS" --shared-prefix "$PREFIX" --input-len "$OWN"
+      loadgen shared16 --concurrency 16 --num-prompts "$REQUESTS" --shared-prefix "$PREFIX" --input-len "$OWN"
+      loadgen shared64 --concurrency 64 --num-prompts "$REQUESTS" --shared-prefix "$PREFIX" --input-len "$OWN"
       loadgen chat --concurrency 16 --num-prompts "$REQUESTS" --multi-turn "$TURNS" --input-len "$OWN"
       loadgen none --concurrency 64 --num-prompts "$REQUESTS" --input-len "$OWN"
     else
@@ -64,7 +69,7 @@ for model in $MODELS; do
 done
 
 python3 - "$out" <<'EOF'
-import json, sys
+import json, statistics, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
@@ -83,8 +88,8 @@ rows = ["| model | TTFT p50 at 16, off / on (>= 3x) | tok/s at 64, on / off (>= 
         "nothing shared, tok/s on / off (>= 0.98x) | cached share at 16 / 64 / chat / none |", "|---|---:|---:|---:|---:|---:|"]
 for model_dir in sorted(p for p in out.iterdir() if p.is_dir()):
     on, off = model_dir / "on", model_dir / "off"
-    s16 = [level(d / "shared", 16) for d in (on, off)]
-    s64 = [level(d / "shared", 64) for d in (on, off)]
+    s16 = [level(d / "shared16", 16) for d in (on, off)]
+    s64 = [level(d / "shared64", 64) for d in (on, off)]
     chat = [level(d / "chat", 16) for d in (on, off)]
     none = [level(d / "none", 64) for d in (on, off)]
     get = lambda s, *keys: None if s is None else (s[keys[0]][keys[1]] if len(keys) == 2 else s[keys[0]])
@@ -95,6 +100,29 @@ for model_dir in sorted(p for p in out.iterdir() if p.is_dir()):
         ratio(get(chat[0], "output_throughput"), get(chat[1], "output_throughput")),
         ratio(get(none[0], "output_throughput"), get(none[1], "output_throughput")),
         " / ".join("-" if v is None else f"{v:.0%}" for v in shares)]) + " |")
+
+
+def server_side(path):
+    """Medians of the server's own per-request timings, in ms: tokenisation, engine queue, engine TTFT."""
+    try:
+        reqs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    if not reqs:
+        return None
+    return [1e3 * statistics.median(r.get(key) or 0.0 for r in reqs) for key in ("tokenize_s", "queue_s", "ttft_s")]
+
+
+rows += ["", "Where TTFT goes at 16 streams with the shared prefix (medians, ms): the client's TTFT; the server's "
+         "tokenisation, engine queue, and engine TTFT (arrival in the engine to its first token)", "",
+         "| model | caching | client TTFT | tokenize | engine queue | engine TTFT | requests |",
+         "|---|---|---:|---:|---:|---:|---:|"]
+for model_dir in sorted(p for p in out.iterdir() if p.is_dir()):
+    for caching in ("on", "off"):
+        s = level(model_dir / caching / "shared16", 16)
+        parts = server_side(model_dir / caching / "shared16.requests.jsonl")
+        cells = [f"{s['ttft_ms']['p50']:.1f}" if s else "-"] + ([f"{v:.1f}" for v in parts] if parts else ["-"] * 3)
+        rows.append(f"| {model_dir.name} | {caching} | " + " | ".join(cells) + f" | {s['completed'] if s else '-'} |")
 table = "\n".join(rows)
 (out / "summary.md").write_text(table + "\n")
 print(table)
