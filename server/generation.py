@@ -130,6 +130,9 @@ class Generation:
         self.params = params
         self.streaming = streaming
         self.created = int(time.time())
+        self.admitted = time.monotonic()
+        self.first_token_s: float | None = None       # admission to the first token here
+        self.first_token_delivery_s: float | None = None   # the engine's first token to its arrival here
         self.tokens: list[TokenEvent] = []
         self.finish: FinishEvent | None = None
         self.ended_by_server = False       # the server shut down before the request finished
@@ -153,6 +156,10 @@ class Generation:
         event = await self.stream.__anext__()
         metrics = self.services.metrics
         if isinstance(event, TokenEvent):
+            if not self.tokens:
+                now = time.monotonic()
+                self.first_token_s = now - self.admitted
+                self.first_token_delivery_s = now - event.time if event.time else None
             if self.tokens and event.time and self.tokens[-1].time:
                 metrics.inter_token.observe(max(0.0, event.time - self.tokens[-1].time))
             self.tokens.append(event)
@@ -220,6 +227,8 @@ class Generation:
             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "max_new_tokens": self.params.max_new_tokens, "greedy": self.params.greedy,
             "tokenize_s": round(self.prompt.tokenize_s, 6),
+            **{k: round(v, 6) for k, v in (("first_token_s", self.first_token_s),
+                                           ("first_token_delivery_s", self.first_token_delivery_s)) if v is not None},
             **{f"{k}_s": round(v, 6) for k, v in timings.items() if v is not None},
         }
         if error:
