@@ -158,9 +158,15 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     plan = workspace.check_call(batch, num_q_heads, num_kv_heads, head_dim, block_table.shape[1], block_size,
                                 q.device, window=window)
     scale = head_dim ** -0.5 if scale is None else float(scale)
+    window = _kernel_window(window, block_table.shape[1] * block_size)
     return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, plan.num_splits,
                                               plan.three_per_sm, workspace.partial_out, workspace.partial_lse,
-                                              bool(read_ahead), window or 0)
+                                              bool(read_ahead), window)
+
+
+def _kernel_window(window: int | None, reach: int) -> int:
+    """The op's window: 0 where every position the block table reaches is attended."""
+    return 0 if window is None or window >= reach else window
 
 
 def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):

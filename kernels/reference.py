@@ -59,6 +59,7 @@ def split_attention(q, k, v, seq_lens, num_splits):
         positions = torch.arange(num_splits * chunk, device=q.device).view(num_splits, chunk)
         valid = positions.view(1, 1, num_splits, 1, chunk) < seq_lens.view(batch, 1, 1, 1, 1)
         scores = scores.masked_fill(~valid, float("-inf"))
+        v = v.masked_fill(~valid.transpose(-1, -2), 0.0)   # rows past the end may hold anything, NaN included
     m = scores.amax(dim=-1, keepdim=True)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m)) if ragged else m
     p = torch.exp(scores - m_safe)

@@ -84,6 +84,20 @@ def test_blocks_before_the_window_are_not_read(window):
     assert torch.equal(poisoned, exact)
 
 
+def test_rows_past_the_end_may_hold_anything():
+    lens = [30, 7, 64]
+    q, k, v, k_cache, v_cache, table, seq_lens = make_case(lens, 2, 3, 64, 16)
+    exact = windowed_attention_f64(q, k, v, seq_lens, 0.125, 10)
+    for b, n in enumerate(lens):
+        for t in range(n, table.shape[1] * 16):
+            k_cache[table[b, t // 16], :, t % 16] = float("nan")
+            v_cache[table[b, t // 16], :, t % 16] = float("nan")
+    for window in (10, None):
+        out = split_decode(q, k_cache, v_cache, table, seq_lens, 3, window=window)
+        assert torch.isfinite(out).all(), f"window {window}"
+    assert (split_decode(q, k_cache, v_cache, table, seq_lens, 3, window=10).double() - exact).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
 def test_invalid_windows_are_refused(bad):
     q, k, v, k_cache, v_cache, table, lens = make_case([10], 1, 1, 64, 16)
