@@ -27,6 +27,17 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding window (None: global attention), as transformers' attention modules
+    hand it to ours: ``sliding_window`` on the layers ``layer_types`` marks "sliding_attention"
+    (Gemma 3, Qwen2 with use_sliding_window); without ``layer_types``, on every layer."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
 @dataclass
 class AttentionBatch:
     """Everything attention needs for one forward pass over the paged cache.
@@ -63,7 +74,8 @@ class AttentionBatch:
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache, window: int | None = None) -> torch.Tensor:
+def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache,
+                      window: int | None = None) -> torch.Tensor:
     """Causal attention of packed prompt chunks: ``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` (their keys
     and values already in the cache); returns ``[T, Hq, D]``. With a sliding ``window`` the query
     at position i attends to positions ``i - window < p <= i`` (``kernels.window``)."""

@@ -9,6 +9,7 @@ from kernels import workspace as workspace_module
 from kernels.planner import split_plan
 from kernels.reference import split_decode
 from models.attention import AttentionBatch, paged_attention, prefill_attention
+from models.cpu_attention import DecodePlan, split_kv_decode
 
 
 def windowed_attention_f64(q, k, v, seq_lens, scale, window):
@@ -96,6 +97,24 @@ def test_rows_past_the_end_may_hold_anything():
         out = split_decode(q, k_cache, v_cache, table, seq_lens, 3, window=window)
         assert torch.isfinite(out).all(), f"window {window}"
     assert (split_decode(q, k_cache, v_cache, table, seq_lens, 3, window=10).double() - exact).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 100, 999, 5000, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_engine_decode_plan_over_the_window(window, dtype):
+    """The CPU engine's split-per-block decode (models/cpu_attention.py) with a window: against the
+    dense masked softmax, and blind to the blocks before the window."""
+    q, k, v, k_cache, v_cache, table, lens = make_case(RAGGED, 2, 3, 64, 16, dtype=dtype, seed=5)
+    slots = torch.zeros(len(RAGGED), dtype=torch.int64)
+    plan = DecodePlan.make(table, lens, slots, 16, window)
+    out = split_kv_decode(q, k_cache, v_cache, plan, 0.125)
+    assert (out.double() - windowed_attention_f64(q, k, v, lens, 0.125, window)).abs().max().item() <= 1e-5
+    if window is not None:
+        for b, n in enumerate(RAGGED):
+            for j in range(max(0, n - window) // 16):
+                k_cache[table[b, j]] = float("nan")
+                v_cache[table[b, j]] = float("nan")
+        assert torch.equal(split_kv_decode(q, k_cache, v_cache, plan, 0.125), out)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
@@ -238,3 +257,58 @@ def test_paged_attention_passes_the_layers_window_on(how):
     out, _ = paged_attention(SlidingLayer(None), q.unsqueeze(2), new_k.unsqueeze(2), new_v.unsqueeze(2), None,
                              scaling=0.2, attn_batch=batch, sliding_window=None)
     assert (out[:, 0].double() - windowed_attention_f64(q, k, v, seq_lens, 0.2, None)).abs().max().item() <= 1e-5
+
+
+# ---- transformers' own sliding layers --------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+def test_sliding_layers_match_transformers(arch):
+    """A small random model whose layers mix windows of 4 and global attention, run by its own
+    transformers modules over our paged attention (prefill of 9 tokens, then 5 decode steps) and by
+    transformers' eager attention with its sliding masks: the same logits at every position. This
+    pins the window's convention (the query and the W - 1 positions before it) to transformers'."""
+    import transformers
+    from models import attention
+
+    attention.register()
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    if arch == "gemma3":
+        config = transformers.Gemma3TextConfig(**common)
+        cls = transformers.Gemma3ForCausalLM
+    else:
+        config = transformers.Qwen2Config(**common, use_sliding_window=True, max_window_layers=0)
+        cls = transformers.Qwen2ForCausalLM
+    assert attention.layer_windows(config) == [4, None, 4]
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    tokens = torch.randint(0, 64, (1, 14))
+    with torch.no_grad():
+        model.config._attn_implementation = "eager"
+        expected = model(tokens, use_cache=False).logits[0]
+        model.config._attn_implementation = attention.NAME
+        block_size, prompt = 16, 9
+        shape = kernels.cache_shape(2, 2, block_size, 16)
+        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(3)]
+        table = torch.tensor([[1, 0]], dtype=torch.int32)
+        prefill = AttentionBatch(caches, torch.arange(block_size, block_size + prompt), table,
+                                 torch.tensor([prompt], dtype=torch.int32), is_decode=False, query_starts=[0, prompt],
+                                 context_lens=[0])
+        got = [model(tokens[:, :prompt], position_ids=torch.arange(prompt).view(1, -1), use_cache=False,
+                     attn_batch=prefill).logits[0]]
+        for pos in range(prompt, tokens.shape[1]):
+            step = AttentionBatch(caches, torch.tensor([block_size + pos]), table,
+                                  torch.tensor([pos + 1], dtype=torch.int32), is_decode=True)
+            got.append(model(tokens[:, pos:pos + 1], position_ids=torch.tensor([[pos]]), use_cache=False,
+                             attn_batch=step).logits[0])
+    got = torch.cat(got)
+    assert (got - expected).abs().max().item() <= 1e-4
+    # Guards the comparison: the windows change these logits (a global model would not match).
+    model.config._attn_implementation = "eager"
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = None
+    model.config.layer_types = ["full_attention"] * 3
+    with torch.no_grad():
+        unwindowed = model(tokens, use_cache=False).logits[0]
+    assert (unwindowed - expected).abs().max().item() > 1e-3

@@ -153,7 +153,8 @@ def test_window_refusals_and_the_default_workspace():
 
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("window", [None, 1, 7, 45, 1000])
-@pytest.mark.parametrize("contexts", [(0, 0, 0), (0, 37, 100)], ids=["whole prompts: varlen", "after a context: kv_gather"])
+@pytest.mark.parametrize("contexts", [(0, 0, 0), (0, 37, 100)],
+                         ids=["whole prompts: varlen", "after a context: kv_gather"])
 def test_gpu_prefill_honours_the_window(contexts, window, head_dim):
     """FlashAttention's varlen call with window_size_left = W - 1 (whole prompts, and chunks over
     key rows gathered from the cache) against a dense masked float64 softmax; the bound is twice
