@@ -74,8 +74,8 @@ if want window; then
   # head_dim 256 (Gemma 3) and sliding windows: their GPU tests, then the kernel rows beside cuDNN
   # and a window of 512 against the unwindowed kernel.
   stamp "window: head_dim 256 and sliding-window tests"
-  timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_window_cuda.py tests/gpu/test_flash_decode_cuda.py \
-      -k "window or 256" -p no:cacheprovider -rs 2>&1 | tee "$OUT/window_tests.log" | tail -25
+  timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_window_cuda.py tests/gpu/test_flash_decode_cuda.py tests/gpu/test_layer_ops_cuda.py \
+      -k "window or 256 or head-dim" -p no:cacheprovider -rs 2>&1 | tee "$OUT/window_tests.log" | tail -25
   summary+=("window tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/window_tests.log" | tail -1)")
   stamp "window: kernel rows (4/1/256 beside cuDNN; window 512 against unwindowed)"
   timeout 300 python3 -m kernels.bench --out "$OUT/window" --shapes 4/1/256 9/3/64 --batches 1 8 64 \
