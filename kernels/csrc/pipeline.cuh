@@ -202,10 +202,11 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
     for (int h = 0; h < kPieces; ++h)
 #pragma unroll
       for (int c = 0; c < 4; ++c) s[h][c] *= scale_log2;
-    bool dead[kPieces];  // this thread's V row of piece h is outside [first, end): it may hold anything, NaN included
+    // dead[h]: this thread's V row of piece h is outside [first, end) and may hold anything, NaN included.
+    bool dead[kPieces];
 #pragma unroll
     for (int h = 0; h < kPieces; ++h) dead[h] = false;
-    if (t_warp + W > w.end || t_warp < w.first) {  // the sequence ends, or the window starts, inside this warp's tokens
+    if (t_warp + W > w.end || t_warp < w.first) {  // the sequence ends, or the window starts, in these tokens
 #pragma unroll
       for (int h = 0; h < kPieces; ++h) {
 #pragma unroll
