@@ -80,26 +80,25 @@ def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache,
     and values already in the cache); returns ``[T, Hq, D]``. With a sliding ``window`` the query
     at position i attends to positions ``i - window < p <= i`` (``kernels.window``)."""
     window = kernels.check_window(window)
-    # FlashAttention's window counts the keys left of the diagonal; None (or -1) is unbounded.
-    left = None if window is None else window - 1
     if batch.kv_gather is not None:
         blocks, offsets = batch.kv_gather
         k, v = k_cache[blocks, :, offsets].to(q.dtype), v_cache[blocks, :, offsets].to(q.dtype)   # [K, Hkv, D]
         if q.is_cuda:
             return torch.ops.aten._flash_attention_forward(
                 q, k, v, batch.cu_query_starts, batch.cu_kv_starts, batch.max_query_len, batch.max_kv_len,
-                0.0, True, False, scale=scale, window_size_left=left, window_size_right=_right(left))[0]
+                0.0, True, False, scale=scale, **_flash_window(window))[0]
         return _gathered_chunks(q, k, v, scale, batch, window)
     if q.is_cuda and batch.cu_query_starts is not None:
-        return _varlen_causal(q, k, v, scale, batch, left)
+        return _varlen_causal(q, k, v, scale, batch, window)
     out = q.new_zeros(q.shape)
     with sdpa_kernel(PREFILL_BACKENDS, set_priority=True):
         _prefill_chunks(out, q, k, v, scale, batch, k_cache, v_cache, window)
     return out
 
 
-def _right(left):
-    return None if left is None else 0
+def _flash_window(window: int | None) -> dict:
+    """FlashAttention's window arguments: the keys it sees left of the causal diagonal (none without one)."""
+    return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
 
 
 def causal_mask(num_queries: int, num_keys: int, window: int | None, device=None):
@@ -129,13 +128,13 @@ def _gathered_chunks(q, k, v, scale, batch: AttentionBatch, window=None) -> torc
     return out
 
 
-def _varlen_causal(q, k, v, scale, batch: AttentionBatch, left=None) -> torch.Tensor:
+def _varlen_causal(q, k, v, scale, batch: AttentionBatch, window=None) -> torch.Tensor:
     """Whole prompts (nothing cached before them) in one FlashAttention varlen call: a loop of
     one SDPA call per prompt and layer costs ~65 us of host time each."""
     longest = batch.max_query_len
     return torch.ops.aten._flash_attention_forward(q, k, v, batch.cu_query_starts, batch.cu_query_starts,
                                                    longest, longest, 0.0, True, False, scale=scale,
-                                                   window_size_left=left, window_size_right=_right(left))[0]
+                                                   **_flash_window(window))[0]
 
 
 def _prefill_chunks(out, q, k, v, scale, batch: AttentionBatch, k_cache, v_cache, window=None) -> None:
