@@ -6,8 +6,10 @@ and PyTorch SDPA's cuDNN and flash backends on contiguous ``[B, Hkv, M, D]`` KV 
 20 calls that rotate over enough input sets to stream well past the 60 MB L2, median over
 replays, per call. Writes ``bench.json`` and ``bench.png`` under ``--out`` and prints a Markdown
 table plus the geometric means the targets name. ``--repeat`` times each case several times,
-interleaved; ``--only``, ``--quick`` and ``--max-kv-mb`` leave out cases. It also times the
-launch floor: one and two trivial kernels per call, replayed the same way.
+interleaved; ``--only``, ``--shapes``, ``--batches``, ``--lengths``, ``--quick`` and ``--max-kv-mb``
+leave out cases. ``--window W`` also times our kernel with a sliding window of W on every case
+longer than W (its planned span and reads are the window's), beside the unwindowed call. It also
+times the launch floor: one and two trivial kernels per call, replayed the same way.
 """
 
 import argparse
@@ -24,7 +26,7 @@ from . import constants, ops
 from .paging import DEFAULT_BLOCK_SIZE, pack_paged
 from .workspace import Workspace
 
-SHAPES = ((9, 3, 64), (32, 8, 128))
+SHAPES = ((9, 3, 64), (32, 8, 128), (4, 1, 256))   # SmolLM2-135M, Llama-3-8B, Gemma-3-270M/1B
 BATCHES = (1, 8, 64)
 LENGTHS = (512, 4096, 32768, 131072)
 PEAK_BYTES_PER_S = 4.5e12
@@ -75,7 +77,7 @@ def time_per_call_us(calls, target_s=0.15):
 
 
 class Case:
-    def __init__(self, shape, batch, seq_len, block_size, device):
+    def __init__(self, shape, batch, seq_len, block_size, device, window=None):
         self.shape, self.batch, self.seq_len = shape, batch, seq_len
         num_q, num_kv, dim = shape
         self.bytes = kv_bytes(batch, num_kv, seq_len, dim)
@@ -87,12 +89,13 @@ class Case:
             v = torch.randn_like(k)
             self.dense.append((q, k, v))
         self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
-        self.workspace = Workspace(batch, num_q, dim, seq_len, device, num_kv_heads=num_kv)
+        self.workspace = Workspace(batch, num_q, dim, seq_len, device, num_kv_heads=num_kv, windows=(window,))
         self.paged = [(q, *pack_paged(k, v, block_size)) for q, k, v in self.dense]
 
-    def ours(self):
+    def ours(self, window=None):
         def make(q, kc, vc, bt):
-            return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=self.workspace)
+            return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=self.workspace,
+                                                 window=window)
         return [make(*s) for s in self.paged]
 
     def peer(self, backend):
@@ -152,6 +155,14 @@ def summarize(rows):
     }
     lines.append("")
     lines += [f"{name}: {fmt(value, '.3f')}" for name, value in targets.items()]
+    windowed = [r for r in rows if r.get("window")]
+    if windowed:
+        lines += ["", "| shape | B | M | window | splits | windowed us | unwindowed us | speedup | window KV MB | "
+                  "% of 4.5 TB/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in windowed:
+            lines.append(f"| {r['shape']} | {r['batch']} | {r['seq_len']} | {r['window']} | {r['window_splits']} | "
+                         f"{fmt(r['window_us'])} | {fmt(r['ours_us'])} | {fmt(r['window_speedup'], '.1f')} | "
+                         f"{r['window_kv_mb']:.1f} | {fmt(r['window_pct_peak'])} |")
     return "\n".join(lines), targets
 
 
@@ -185,6 +196,10 @@ def main(argv=None):
                         help="only these cases, e.g. 9/3/64:64:4096 (the targets are then over these alone)")
     parser.add_argument("--repeat", type=int, default=1, help="time every case this many times (noise)")
     parser.add_argument("--max-kv-mb", type=float, default=MAX_KV_BYTES / 1e6, help="skip cases with more KV")
+    parser.add_argument("--shapes", nargs="*", default=None, metavar="HQ/HKV/D", help="only these shapes")
+    parser.add_argument("--batches", nargs="*", type=int, default=BATCHES)
+    parser.add_argument("--lengths", nargs="*", type=int, default=LENGTHS)
+    parser.add_argument("--window", type=int, default=None, help="also time a sliding window of this many tokens")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -202,16 +217,18 @@ def main(argv=None):
     def save(targets=None):  # after every case, so a run cut short still leaves its numbers
         (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": targets,
                                                     "sweeps": []}, indent=1))
-    for shape in SHAPES:
-        for batch in BATCHES:
-            for seq_len in LENGTHS[:1] if args.quick else LENGTHS:
+    shapes = SHAPES if args.shapes is None else [tuple(map(int, s.split("/"))) for s in args.shapes]
+    for shape in shapes:
+        for batch in args.batches:
+            for seq_len in args.lengths[:1] if args.quick else args.lengths:
                 nbytes = kv_bytes(batch, shape[1], seq_len, shape[2])
                 if nbytes > min(MAX_KV_BYTES, args.max_kv_mb * 1e6):
                     continue
                 label = "/".join(map(str, shape))
                 if args.only and f"{label}:{batch}:{seq_len}" not in args.only:
                     continue
-                case = Case(shape, batch, seq_len, args.block_size, device)
+                window = args.window if args.window and args.window < seq_len else None
+                case = Case(shape, batch, seq_len, args.block_size, device, window)
                 plan = case.workspace.plan(batch)
                 row = {"shape": label, "batch": batch, "seq_len": seq_len, "kv_mb": nbytes / 1e6,
                        "num_sets": case.num_sets, "num_splits": plan.num_splits, "three_per_sm": plan.three_per_sm}
@@ -230,6 +247,15 @@ def main(argv=None):
                 row["ratio_best"] = min(peers) / ours if ours and peers else None
                 print(f"{label} B={batch} M={seq_len}: ours {fmt(ours)} us (S={row['num_splits']}), "
                       f"cuDNN {fmt(row['cudnn_us'])}, FA {fmt(row['flash_us'])}", flush=True)
+                if window:
+                    window_bytes = kv_bytes(batch, shape[1], window, shape[2])
+                    row["window"], row["window_kv_mb"] = window, window_bytes / 1e6
+                    row["window_splits"] = case.workspace.plan(batch, window).num_splits
+                    row["window_us"] = try_time(case.ours(window))
+                    w_us = row["window_us"]
+                    row["window_speedup"] = ours / w_us if ours and w_us else None
+                    row["window_pct_peak"] = 100 * window_bytes / (w_us * 1e-6) / PEAK_BYTES_PER_S if w_us else None
+                    print(f"    window {window}: ours {fmt(w_us)} us (S={row['window_splits']})", flush=True)
                 rows.append(row)
                 del case
                 torch.cuda.empty_cache()

@@ -11,19 +11,25 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.window import check_window, window_starts
+
 
 @dataclass
 class DecodePlan:
     """What a decode step's attention needs in every layer, derived once from the batch."""
-    block_ids: torch.Tensor      # [B * n] int64: the n blocks holding each sequence's tokens
-    bias: torch.Tensor | None    # [B, n, 1, 1, block_size]: 0 where a token exists, -inf past the end
+    block_ids: torch.Tensor      # [B * n] int64: the n blocks holding each sequence's (attended) tokens
+    bias: torch.Tensor | None    # [B, n, 1, 1, block_size]: 0 where a token is attended, -inf elsewhere
     has_empty: bool              # some sequence has fewer than n blocks (an empty split)
     slot_blocks: torch.Tensor    # [B] the new token's block
     slot_rows: torch.Tensor      # [B] and its row in it
 
     @classmethod
     def make(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
-             block_size: int) -> "DecodePlan":
+             block_size: int, window: int | None = None) -> "DecodePlan":
+        """With a sliding ``window`` (``kernels.window``) each sequence's blocks are those holding its
+        last ``window`` positions; the blocks before them are not read."""
+        if check_window(window) is not None:
+            return cls._windowed(block_tables, seq_lens, slots, block_size, window)
         longest = int(seq_lens.max())
         n = -(-longest // block_size)
         block_ids = block_tables[:, :n].reshape(-1).long().clamp_(0, None)
@@ -35,6 +41,21 @@ class DecodePlan:
             has_empty = bool((seq_lens <= (n - 1) * block_size).any())
         slots = slots.long()
         return cls(block_ids, bias, has_empty, slots // block_size, slots % block_size)
+
+    @classmethod
+    def _windowed(cls, block_tables, seq_lens, slots, block_size, window) -> "DecodePlan":
+        lens = seq_lens.long()
+        first = window_starts(lens, window)                              # first attended position
+        first_col = first // block_size
+        n = int((-(-lens // block_size) - first_col).max())
+        cols = first_col.view(-1, 1) + torch.arange(n)                   # [B, n] block-table columns
+        ids = block_tables.long().gather(1, cols.clamp_max(block_tables.shape[1] - 1))
+        positions = (cols * block_size).view(-1, n, 1, 1, 1) + torch.arange(block_size).view(1, 1, 1, 1, -1)
+        outside = (positions >= lens.view(-1, 1, 1, 1, 1)) | (positions < first.view(-1, 1, 1, 1, 1))
+        bias = torch.zeros(outside.shape).masked_fill_(outside, float("-inf"))
+        slots = slots.long()
+        return cls(ids.reshape(-1).clamp_(0, None), bias, bool(outside.all(dim=-1).any()), slots // block_size,
+                   slots % block_size)
 
 
 def write_new_kv(k_cache, v_cache, key, value, plan: DecodePlan) -> None:

@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one command, logs under $OUT and a short table last.
 #
 #   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench]
-#       [http] [prefix]
+#       [http] [prefix] [window]
 #
 # HTTP_WORKER_COUNTS="1 4" runs the HTTP load test once per API worker count (default: the server's auto).
 # (Not API_WORKERS: the server reads that one itself.) LOADGEN_WORKERS: client processes (default 8;
@@ -20,7 +20,7 @@ if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix}
+stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix window}
 want() { [[ " $stages " == *" $1 "* ]]; }
 summary=()
 t0=$(date +%s)
@@ -32,7 +32,7 @@ python3 -c "from kernels import ops; ops.load()" 2>&1 | tail -5 | tee "$OUT/buil
 
 if want tests; then
   stamp "GPU tests"
-  timeout 200 python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu} -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout 360 python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu} -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
   summary+=("gpu tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/gpu_tests.log" | tail -1)")
 fi
 if want profile; then
@@ -41,7 +41,7 @@ if want profile; then
 fi
 if want kernel-bench; then
   stamp "kernel benchmark"
-  timeout 300 python3 -m kernels.bench --out "$OUT" ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/kernel_bench.log" | tail -40
+  timeout 420 python3 -m kernels.bench --out "$OUT" ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/kernel_bench.log" | tail -40
 fi
 if want layer-bench; then
   stamp "projection benchmark"
@@ -69,6 +69,18 @@ if want http; then
         --engine-json "$engine_json" --out-dir "$OUT/http_w$workers" 2>&1 | tee "$OUT/http_w$workers.log" | tail -30
     grep -E "tok/s|ready|captured" "$OUT/http_w$workers/server.log" | tail -40
   done
+fi
+if want window; then
+  # head_dim 256 (Gemma 3) and sliding windows: their GPU tests, then the kernel rows beside cuDNN
+  # and a window of 512 against the unwindowed kernel.
+  stamp "window: head_dim 256 and sliding-window tests"
+  timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_window_cuda.py tests/gpu/test_flash_decode_cuda.py tests/gpu/test_layer_ops_cuda.py \
+      -k "window or 256 or head-dim" -p no:cacheprovider -rs 2>&1 | tee "$OUT/window_tests.log" | tail -25
+  summary+=("window tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/window_tests.log" | tail -1)")
+  stamp "window: kernel rows (4/1/256 beside cuDNN; window 512 against unwindowed)"
+  timeout 300 python3 -m kernels.bench --out "$OUT/window" --shapes 4/1/256 9/3/64 --batches 1 8 64 \
+      --lengths 4096 32768 --window 512 2>&1 | tee "$OUT/window_bench.log" | tail -30
+  summary+=("window bench ($OUT/window/bench.json):" "$(grep '^|' "$OUT/window_bench.log")")
 fi
 stamp "done"
 printf '%s\n' "${summary[@]}"

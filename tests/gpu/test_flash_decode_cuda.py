@@ -60,13 +60,13 @@ def make_paged(lengths, num_kv_heads, head_dim, block_size, dtype, spare_blocks=
     return k_cache, v_cache, table.to(DEVICE), seq_lens
 
 
-def oracle(q, k_cache, v_cache, table, seq_lens, scale):
-    """float64 attention (the repo's reference with one split)."""
+def oracle(q, k_cache, v_cache, table, seq_lens, scale, window=None):
+    """float64 attention (the repo's reference with one split), over the last ``window`` positions."""
     k64, v64 = (c.double().nan_to_num(0.0) for c in (k_cache, v_cache))
-    return split_decode(q.double(), k64, v64, table, seq_lens, 1, scale=scale)
+    return split_decode(q.double(), k64, v64, table, seq_lens, 1, scale=scale, window=window)
 
 
-def plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale):
+def plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale, window=None):
     """Plain PyTorch attention in the input dtype (scores, softmax and P V all low precision)."""
     width = int(seq_lens.max())
     k = gather_dense(k_cache.nan_to_num(0.0), table, width)
@@ -75,16 +75,19 @@ def plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale):
     num_kv = k.shape[1]
     qg = q.view(batch, num_kv, num_q // num_kv, dim)
     scores = torch.einsum("bhgd,bhnd->bhgn", qg, k) * scale
-    mask = torch.arange(width, device=q.device).view(1, 1, 1, width) >= seq_lens.view(batch, 1, 1, 1)
+    positions = torch.arange(width, device=q.device).view(1, 1, 1, width)
+    mask = positions >= seq_lens.view(batch, 1, 1, 1)
+    if window is not None:
+        mask |= positions < seq_lens.view(batch, 1, 1, 1) - window
     probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(q.dtype)
     return torch.einsum("bhgn,bhnd->bhgd", probs, v).reshape(batch, num_q, dim)
 
 
-def assert_accurate(outs, q, k_cache, v_cache, table, seq_lens, scale, context=""):
+def assert_accurate(outs, q, k_cache, v_cache, table, seq_lens, scale, context="", window=None):
     """The criterion of every test here, for outputs of the same inputs: finite, and their error
     against float64 attention at most twice plain low-precision attention's."""
-    ref = oracle(q, k_cache, v_cache, table, seq_lens, scale)
-    plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale)
+    ref = oracle(q, k_cache, v_cache, table, seq_lens, scale, window)
+    plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale, window)
     plain_err = (plain.double() - ref).abs().max().item()
     for out in outs:
         err = (out.double() - ref).abs().max().item()
@@ -100,9 +103,10 @@ def poison(workspace, out_shape, dtype):
     torch.full(out_shape, float("nan"), device=DEVICE, dtype=dtype)
 
 
-def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, workspace=None, seed=None):
-    """``workspace`` None: one planned for the block table's reach; else its table reaches no further
-    than the workspace's longest sequence."""
+def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, workspace=None, seed=None,
+                         window=None):
+    """``workspace`` None: one planned for the block table's reach (and ``window``); else its table
+    reaches no further than the workspace's longest sequence."""
     table_blocks = None if workspace is None else -(-workspace.max_seq_len // block_size)
     k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, head_dim, block_size, dtype,
                                                    table_blocks=table_blocks)
@@ -111,18 +115,19 @@ def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, wo
     scale = head_dim ** -0.5
     if workspace is None:
         workspace = kernels.Workspace(batch, num_q, head_dim, table.shape[1] * block_size, DEVICE,
-                                      num_kv_heads=num_kv)
+                                      num_kv_heads=num_kv, windows=(window,))
     poison(workspace, q.shape, dtype)
-    out = kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace)
+    out = kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace, window=window)
     assert out.shape == q.shape and out.dtype == dtype
     assert_accurate([out], q, k_cache, v_cache, table, seq_lens, scale,
-                    f"seed={seed} lengths={lengths[:8]}... plan={workspace.plan(batch)}")
+                    f"seed={seed} lengths={lengths[:8]}... window={window} plan={workspace.plan(batch, window)}",
+                    window)
     return out
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("group", [1, 3, 4, 8, 12])      # at head_dim 64: four warps of 32 tokens up to 8
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_matches_float64(dtype, head_dim, group, block_size, fresh_seed):
     num_kv = 2
@@ -145,6 +150,11 @@ PLAN_CASES = {
     "two per SM, three splits, merge kernel after the split grid": ((32, 8, 128), 11, 4096),
     "groups of 20: two head blocks per KV head": ((40, 2, 64), 1, 32768),
     "head_dim 128, sixteen splits, merge kernel": ((32, 8, 128), 1, 4096),
+    "head_dim 256 (Gemma 3), spread cluster": ((4, 1, 256), 1, 4096),
+    "head_dim 256, 128 splits: two-trip merge kernel": ((4, 1, 256), 1, 32768),
+    "head_dim 256, sixteen splits: one-trip merge kernel": ((8, 4, 256), 2, 32768),
+    "head_dim 256, one split, more than two blocks per SM": ((8, 4, 256), 100, 4096),
+    "head_dim 256, groups of 16 (rows r + 8 live)": ((32, 2, 256), 4, 4096),
 }
 
 
@@ -163,7 +173,7 @@ def test_ragged_batches(batch, fresh_seed):
     check_against_oracle(lengths, 8, 2, 128, DEFAULT_BLOCK_SIZE, torch.bfloat16, seed=fresh_seed)
 
 
-@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128), (4, 1, 256)], ids=lambda s: "/".join(map(str, s)))
 def test_long_sequences(shape, fresh_seed):
     num_q, num_kv, dim = shape
     check_against_oracle([131072, 77777], num_q, num_kv, dim, DEFAULT_BLOCK_SIZE, torch.bfloat16, seed=fresh_seed)
@@ -174,9 +184,10 @@ def test_groups_larger_than_one_block(num_q, num_kv, fresh_seed):
     check_against_oracle([5, 700, 3333], num_q, num_kv, 64, 64, torch.bfloat16, seed=fresh_seed)
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("block_size", [64, 128, 256, 384])
-def test_large_blocks(block_size, fresh_seed):
-    check_against_oracle([1, 130, 5000], 8, 2, 128, block_size, torch.float16, seed=fresh_seed)
+def test_large_blocks(block_size, head_dim, fresh_seed):
+    check_against_oracle([1, 130, 5000], 8, 2, head_dim, block_size, torch.float16, seed=fresh_seed)
 
 
 @pytest.mark.parametrize("shape", [(9, 3, 64), (8, 2, 64)])
@@ -258,8 +269,8 @@ def test_graph_replay_equals_eager(case):
 
 
 # Launch plans the read-ahead runs under (at B=4, the launcher's choice for the shape); head_dim
-# 64 with groups of 3 (four warps of 32 tokens) and of 12 (eight of 16), head_dim 128.
-READ_AHEAD_SHAPES = [(9, 3, 64), (24, 2, 64), (32, 8, 128)]
+# 64 with groups of 3 (four warps of 32 tokens) and of 12 (eight of 16), head_dim 128 and 256.
+READ_AHEAD_SHAPES = [(9, 3, 64), (24, 2, 64), (32, 8, 128), (4, 1, 256)]
 # Read ahead or not, eager or under graph replay (where the overlap is), and blocks of 128 tokens
 # too (a page to a tile at head_dim 64).
 READ_AHEAD_RUNS = [(bs, graph, read_ahead) for bs in [32] for graph in [False, True] for read_ahead in [False, True]]
@@ -267,7 +278,7 @@ READ_AHEAD_RUNS += [(128, True, True)]
 
 
 @pytest.mark.parametrize("block_size,graph,read_ahead", READ_AHEAD_RUNS)
-@pytest.mark.parametrize("shape", READ_AHEAD_SHAPES)
+@pytest.mark.parametrize("shape", READ_AHEAD_SHAPES, ids=lambda s: "/".join(map(str, s)))
 @pytest.mark.parametrize("max_len", [2500, 40000])   # at 40000 tokens the workspace plans more splits
 def test_read_ahead_waits_for_the_new_row_and_q(shape, max_len, block_size, graph, read_ahead, fresh_seed):
     """A decode step's chain, as the engine runs it: projections, then the rotary embedding that
@@ -336,7 +347,7 @@ def test_read_ahead_waits_for_the_new_row_and_q(shape, max_len, block_size, grap
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128)])
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 128), (torch.bfloat16, 256)])
 def test_write_kv_matches_reference(dtype, head_dim, slot_dtype):
     num_blocks, num_kv, bs, tokens = 40, 3, 16, 50
     k_cache = torch.randn(num_blocks, num_kv, bs, head_dim, device=DEVICE, dtype=dtype)

@@ -161,7 +161,15 @@ RAW_OP_ERRORS = {
                                  "po = torch.empty(4, 4, 96, device='cuda'); pl = torch.empty(4, 4, device='cuda')\n"
                                  "call = lambda: torch.ops.flashdecode.flash_decode(q, kc, kc, torch.tensor([[0, 1]], **i32), "
                                  "torch.tensor([20], **i32), 0.1, 1, False, po, pl)\n",
-                                 "head_dim must be 64 or 128, got 96"),
+                                 "head_dim must be 64, 128 or 256, got 96"),
+    "flash-decode-negative-window": ("q = torch.randn(1, 4, 64, device='cuda', dtype=torch.bfloat16)\n"
+                                     "kc = torch.randn(2, 2, 16, 64, device='cuda', dtype=torch.bfloat16)\n"
+                                     "i32 = dict(device='cuda', dtype=torch.int32)\n"
+                                     "po = torch.empty(4, 4, 64, device='cuda'); pl = torch.empty(4, 4, device='cuda')\n"
+                                     "call = lambda: torch.ops.flashdecode.flash_decode(q, kc, kc, "
+                                     "torch.tensor([[0, 1]], **i32), torch.tensor([20], **i32), 0.1, 1, False, po, pl, "
+                                     "True, -1)\n",
+                                     "window must be in 0.."),
     "flash-decode-three-per-sm-for-a-group-of-9": (
         "q = torch.randn(1, 18, 64, device='cuda', dtype=torch.bfloat16)\n"
         "kc = torch.randn(2, 2, 16, 64, device='cuda', dtype=torch.bfloat16)\n"
