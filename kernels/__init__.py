@@ -7,13 +7,15 @@ tensors; both compute the same split-KV algorithm (see ``reference.py`` and ``cs
 from .paging import cache_shape, pack_paged
 from .planner import Plan, split_plan
 from .reference import reference_decode, reference_write_kv
+from .window import check_window
 from .workspace import Workspace
 
 __all__ = ["flash_decode", "write_kv", "reference_decode", "reference_write_kv", "pack_paged",
-           "cache_shape", "Workspace", "Plan", "split_plan"]
+           "cache_shape", "Workspace", "Plan", "split_plan", "check_window"]
 
 
-def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True):
+def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True,
+                 window=None):
     """Attention of one new query token per sequence over its paged KV cache.
 
     q [B, Hq, D]; k_cache/v_cache [num_blocks, Hkv, block_size, D] (``paging.py``);
@@ -28,12 +30,18 @@ def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, work
     ``workspace`` (``Workspace``) holds the split buffers and the plan; one planned for other head
     counts, another head_dim or shorter sequences than the block table reaches is refused with a
     ValueError. Without one a default workspace is kept per head layout.
+
+    ``window`` (a positive int, or None for all positions) is a sliding window: the query at
+    position ``seq_len - 1`` attends to positions ``p >= seq_len - window`` only, and cache blocks
+    wholly before them are not read. The workspace must have been planned for that window
+    (``Workspace(..., windows=...)``) unless it is at least the workspace's ``max_seq_len``.
     """
     if q.is_cuda:
         from . import ops
         return ops.flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
-                                     workspace=workspace, read_ahead=read_ahead)
-    return reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale=scale, workspace=workspace)
+                                     workspace=workspace, read_ahead=read_ahead, window=window)
+    return reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale=scale, workspace=workspace,
+                            window=window)
 
 
 def write_kv(k_cache, v_cache, key, value, slot_mapping):

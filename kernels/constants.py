@@ -5,11 +5,11 @@
 without them. Python reads them from here.
 """
 
-HEAD_DIMS = (64, 128)       # the head_dims the kernel is built for
+HEAD_DIMS = (64, 128, 256)  # the head_dims the kernel is built for
 HEADS_PER_BLOCK = 16        # query heads one thread block serves (the MMA's M); larger groups take several
 MAX_SPLITS = 256            # largest split count a launch accepts (bounds the merge's shared memory)
 MIN_CHUNK = 256             # fewest tokens a non-empty split gets (on the device, before rounding to a tile)
-TILE_ELEMENTS = 8192        # a K/V tile holds this many elements per tensor: 128 tokens at head_dim 64, 64 at 128
+TILE_ELEMENTS = 8192        # a K/V tile holds this many elements per tensor: 128 tokens at head_dim 64, 64 at 128, 32 at 256
 WIDE_WARP_HEAD_DIM = 64     # at this head_dim, groups of at most WIDE_WARP_MAX_GROUP query heads per KV
 WIDE_WARP_MAX_GROUP = 8     # head run four consumer warps of 32 tokens instead of eight of 16
 BLOCKS_PER_SM = 2           # split blocks resident per SM (rings of three 32 KB stages)

@@ -13,6 +13,7 @@ import torch
 from . import build
 from .constants import HEAD_DIMS
 from .paging import SUPPORTED_BLOCK_SIZE_RULE, supported_block_size
+from .window import check_window
 from .workspace import Workspace
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -42,7 +43,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("flashdecode::flash_decode")
     def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, three_per_sm,
-                           partial_out, partial_lse, read_ahead=True):
+                           partial_out, partial_lse, read_ahead=True, window=0):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("flashdecode::write_kv")
@@ -126,36 +127,41 @@ def _validate_decode(q, k_cache, v_cache, block_table, seq_lens):
     return batch, num_q_heads, num_kv_heads, head_dim, block_size
 
 
-def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_seq_len) -> Workspace:
-    """The workspace kept for calls without one; grows (outside graph capture only) when outgrown."""
+def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_seq_len, window=None) -> Workspace:
+    """The workspace kept for calls without one; grows (outside graph capture only) when outgrown
+    or given a window it has no plan for."""
     key = (device, num_q_heads, num_kv_heads, head_dim)
     ws = _default_workspaces.get(key)
-    if ws is not None and batch <= ws.max_batch and max_seq_len <= ws.max_seq_len:
+    if ws is not None and batch <= ws.max_batch and max_seq_len <= ws.max_seq_len and ws.serves_window(window):
         return ws
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("flash_decode needs a larger default workspace while a CUDA graph is being "
                            "captured; pass workspace= or run one eager call of the largest shape first")
+    windows = () if window is None else (window,)
     if ws is not None:
         batch, max_seq_len = max(batch, ws.max_batch), max(max_seq_len, ws.max_seq_len)
-    ws = Workspace(batch, num_q_heads, head_dim, max_seq_len, device, num_kv_heads=num_kv_heads)
+        windows += ws.windows
+    ws = Workspace(batch, num_q_heads, head_dim, max_seq_len, device, num_kv_heads=num_kv_heads, windows=windows)
     _default_workspaces[key] = ws
     return ws
 
 
-def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True):
+def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True,
+                      window=None):
     """``kernels.flash_decode`` for CUDA tensors; see ``kernels/__init__.py`` for the contract."""
+    window = check_window(window)
     batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
                                                                                seq_lens)
     load(q.device)
     if workspace is None:
         workspace = default_workspace(q.device, num_q_heads, num_kv_heads, head_dim, batch,
-                                      block_table.shape[1] * block_size)
+                                      block_table.shape[1] * block_size, window)
     plan = workspace.check_call(batch, num_q_heads, num_kv_heads, head_dim, block_table.shape[1], block_size,
-                                q.device)
+                                q.device, window=window)
     scale = head_dim ** -0.5 if scale is None else float(scale)
     return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, plan.num_splits,
                                               plan.three_per_sm, workspace.partial_out, workspace.partial_lse,
-                                              bool(read_ahead))
+                                              bool(read_ahead), window or 0)
 
 
 def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):

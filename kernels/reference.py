@@ -8,6 +8,7 @@ chunks are merged exactly. Accumulation is in float32 (float64 stays float64).
 import torch
 
 from .planner import max_splits_for
+from .window import attended_span, check_window, window_starts
 
 
 def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -22,6 +23,17 @@ def gather_dense(cache: torch.Tensor, block_table: torch.Tensor, width: int) -> 
     tiles = cache[ids]                                    # [B, nb, Hkv, bs, D]
     dense = tiles.transpose(1, 2).reshape(ids.shape[0], num_kv_heads, blocks_needed * block_size, head_dim)
     return dense[:, :, :width]
+
+
+def gather_window(cache: torch.Tensor, block_table: torch.Tensor, starts: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, Hkv, width, D]`` copy of each sequence's cached tokens from ``starts[b]`` on; rows past
+    the block table's reach repeat its last row (the caller masks them)."""
+    block_size = cache.shape[2]
+    positions = starts.view(-1, 1) + torch.arange(width, device=starts.device)
+    positions = positions.clamp_max(block_table.shape[1] * block_size - 1)
+    ids = block_table.long().gather(1, positions // block_size).clamp(0, cache.shape[0] - 1)
+    rows = cache[ids, :, positions % block_size]            # [B, width, Hkv, D]
+    return rows.transpose(1, 2)
 
 
 def split_attention(q, k, v, seq_lens, num_splits):
@@ -68,28 +80,42 @@ def merge_splits(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return (weights.unsqueeze(-1) * o).sum(dim=2)
 
 
-def reference_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True):
+def reference_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True,
+                     window=None):
     """One decode step of attention for each sequence. Same contract as ``flash_decode`` (on the
     CPU nothing runs ahead, so ``read_ahead`` changes nothing); the workspace's plan sets the split
     count, and a workspace that does not fit the call is refused as on CUDA."""
+    window = check_window(window)
     if workspace is None:
-        num_splits = max_splits_for(int(seq_lens.max()))
+        num_splits = max_splits_for(attended_span(int(seq_lens.max()), window))
     else:
         _, num_kv_heads, block_size, head_dim = k_cache.shape
         num_splits = workspace.check_call(q.shape[0], q.shape[1], num_kv_heads, q.shape[2], block_table.shape[1],
-                                          block_size, q.device).num_splits
-    return split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, scale=scale)
+                                          block_size, q.device, window=window).num_splits
+    return split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, scale=scale, window=window)
 
 
-def split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, *, scale=None):
-    """``reference_decode`` with an explicit split count (any count gives the same result)."""
+def split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, *, scale=None, window=None):
+    """``reference_decode`` with an explicit split count (any count gives the same result). With a
+    window, as in the kernel, the splits divide each sequence's attended positions
+    ``[max(0, seq_len - window), seq_len)``, and nothing before them is read."""
+    window = check_window(window)
     head_dim = q.shape[-1]
     scale = head_dim ** -0.5 if scale is None else scale
     acc = _accum_dtype(q.dtype)
-    width = int(seq_lens.max())
-    k = gather_dense(k_cache, block_table, width).to(acc)
-    v = gather_dense(v_cache, block_table, width).to(acc)
-    o, lse = split_attention(q.to(acc) * scale, k, v, seq_lens.to(q.device), num_splits)
+    seq_lens = seq_lens.to(q.device)
+    if window is None:
+        width = int(seq_lens.max())
+        k = gather_dense(k_cache, block_table, width).to(acc)
+        v = gather_dense(v_cache, block_table, width).to(acc)
+        lengths = seq_lens
+    else:
+        starts = window_starts(seq_lens, window)
+        lengths = seq_lens.long() - starts
+        width = int(lengths.max())
+        k = gather_window(k_cache, block_table, starts, width).to(acc)
+        v = gather_window(v_cache, block_table, starts, width).to(acc)
+    o, lse = split_attention(q.to(acc) * scale, k, v, lengths, num_splits)
     return merge_splits(o, lse).to(q.dtype)
 
 

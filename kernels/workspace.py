@@ -6,11 +6,18 @@ allocates. ``plan(batch)`` is the plan a call of that batch uses (``planner.spli
 for the life of the workspace, which is what lets a CUDA graph captured for one batch size
 replay it. The plan depends on both head counts, so a workspace serves only calls of its own
 head layout, head_dim and longest sequence (``check_call``).
+
+A sliding-window layer attends to at most ``window`` positions, so it is planned over that span,
+not the longest sequence: the workspace holds one plan per batch for global attention and one per
+batch for each window in ``windows`` (Gemma 3's local and global layers share one workspace, and
+every plan is fixed at construction, as graph replay needs). A window at least ``max_seq_len``
+long is global attention and uses the global plan.
 """
 
 import torch
 
 from .planner import Plan, max_splits_for, split_plan
+from .window import check_window
 
 
 def device_sm_count(device: torch.device) -> int:
@@ -21,7 +28,7 @@ def device_sm_count(device: torch.device) -> int:
 
 class Workspace:
     def __init__(self, max_batch: int, num_q_heads: int, head_dim: int, max_seq_len: int, device,
-                 num_kv_heads: int):
+                 num_kv_heads: int, windows=()):
         if max_batch < 1 or num_q_heads < 1 or num_kv_heads < 1 or head_dim < 1 or max_seq_len < 1:
             raise ValueError("max_batch, num_q_heads, num_kv_heads, head_dim and max_seq_len must be positive")
         if num_q_heads % num_kv_heads:
@@ -34,24 +41,36 @@ class Workspace:
         self.max_seq_len = max_seq_len
         self.max_splits = max_splits_for(max_seq_len)
         self.num_sms = device_sm_count(self.device)
-        self._plans = [Plan(1)] + [split_plan(b, num_q_heads, num_kv_heads, head_dim, self.num_sms, max_seq_len)
-                                   for b in range(1, max_batch + 1)]
-        self.capacity_rows = max(b * self._plans[b].num_splits for b in range(1, max_batch + 1))
+        self.windows = tuple(sorted({w for w in map(check_window, windows) if w is not None and w < max_seq_len}))
+        self._plans = {span: [Plan(1)] + [split_plan(b, num_q_heads, num_kv_heads, head_dim, self.num_sms, span)
+                                          for b in range(1, max_batch + 1)]
+                       for span in (max_seq_len, *self.windows)}
+        self.capacity_rows = max(b * plans[b].num_splits for plans in self._plans.values()
+                                 for b in range(1, max_batch + 1))
         self.partial_out = torch.empty(self.capacity_rows, num_q_heads, head_dim, dtype=torch.float32,
                                        device=self.device)
         self.partial_lse = torch.empty(self.capacity_rows, num_q_heads, dtype=torch.float32, device=self.device)
         self.device = self.partial_out.device   # with its index: cuda means cuda:<current>
 
-    def plan(self, batch: int) -> Plan:
+    def serves_window(self, window: int | None) -> bool:
+        window = check_window(window)
+        return window is None or window >= self.max_seq_len or window in self.windows
+
+    def plan(self, batch: int, window: int | None = None) -> Plan:
+        """The plan of a call of ``batch`` sequences, attending to the last ``window`` positions of each."""
         if not 1 <= batch <= self.max_batch:
             raise ValueError(f"batch {batch} outside this workspace's 1..{self.max_batch}")
-        return self._plans[batch]
+        if not self.serves_window(window):
+            raise ValueError(f"the workspace was planned for windows {list(self.windows) or 'none'} (and global "
+                             f"attention), this call has window {window}")
+        span = self.max_seq_len if window is None or window >= self.max_seq_len else window
+        return self._plans[span][batch]
 
-    def num_splits(self, batch: int) -> int:
-        return self.plan(batch).num_splits
+    def num_splits(self, batch: int, window: int | None = None) -> int:
+        return self.plan(batch, window).num_splits
 
     def check_call(self, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_blocks: int,
-                   block_size: int, device) -> Plan:
+                   block_size: int, device, window: int | None = None) -> Plan:
         """The plan of a call of ``batch`` sequences; refuses, naming both values, a call this
         workspace was not planned for. ``max_blocks * block_size`` (the block table's reach)
         bounds the call's longest sequence."""
@@ -66,4 +85,4 @@ class Workspace:
                              f"{block_size})")
         if torch.device(device) != self.device:
             raise ValueError(f"the workspace is on {self.device}, this call on {device}")
-        return self.plan(batch)
+        return self.plan(batch, window)

@@ -63,26 +63,45 @@ class AttentionBatch:
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache) -> torch.Tensor:
+def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache, window: int | None = None) -> torch.Tensor:
     """Causal attention of packed prompt chunks: ``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` (their keys
-    and values already in the cache); returns ``[T, Hq, D]``."""
+    and values already in the cache); returns ``[T, Hq, D]``. With a sliding ``window`` the query
+    at position i attends to positions ``i - window < p <= i`` (``kernels.window``)."""
+    window = kernels.check_window(window)
+    # FlashAttention's window counts the keys left of the diagonal; None (or -1) is unbounded.
+    left = None if window is None else window - 1
     if batch.kv_gather is not None:
         blocks, offsets = batch.kv_gather
         k, v = k_cache[blocks, :, offsets].to(q.dtype), v_cache[blocks, :, offsets].to(q.dtype)   # [K, Hkv, D]
         if q.is_cuda:
             return torch.ops.aten._flash_attention_forward(
                 q, k, v, batch.cu_query_starts, batch.cu_kv_starts, batch.max_query_len, batch.max_kv_len,
-                0.0, True, False, scale=scale)[0]
-        return _gathered_chunks(q, k, v, scale, batch)
+                0.0, True, False, scale=scale, window_size_left=left, window_size_right=_right(left))[0]
+        return _gathered_chunks(q, k, v, scale, batch, window)
     if q.is_cuda and batch.cu_query_starts is not None:
-        return _varlen_causal(q, k, v, scale, batch)
+        return _varlen_causal(q, k, v, scale, batch, left)
     out = q.new_zeros(q.shape)
     with sdpa_kernel(PREFILL_BACKENDS, set_priority=True):
-        _prefill_chunks(out, q, k, v, scale, batch, k_cache, v_cache)
+        _prefill_chunks(out, q, k, v, scale, batch, k_cache, v_cache, window)
     return out
 
 
-def _gathered_chunks(q, k, v, scale, batch: AttentionBatch) -> torch.Tensor:
+def _right(left):
+    return None if left is None else 0
+
+
+def causal_mask(num_queries: int, num_keys: int, window: int | None, device=None):
+    """The causal mask of ``num_queries`` queries at the end of ``num_keys`` keys (True: attend), or
+    ``causal_lower_right`` where there is no window; with one, key p is seen by the query at
+    position i when ``i - window < p <= i``."""
+    if window is None:
+        return causal_lower_right(num_queries, num_keys)
+    query_pos = torch.arange(num_keys - num_queries, num_keys, device=device).view(-1, 1)
+    key_pos = torch.arange(num_keys, device=device).view(1, -1)
+    return (key_pos <= query_pos) & (key_pos > query_pos - window)
+
+
+def _gathered_chunks(q, k, v, scale, batch: AttentionBatch, window=None) -> torch.Tensor:
     """The CPU's loop for ``kv_gather``: per sequence, its queries against its gathered keys."""
     out = q.new_zeros(q.shape)
     qs, ks = batch.query_starts, batch.kv_starts
@@ -93,26 +112,31 @@ def _gathered_chunks(q, k, v, scale, batch: AttentionBatch) -> torch.Tensor:
         qi = q[qs[i]:qs[i + 1]].transpose(0, 1).unsqueeze(0)
         group = q.shape[1] // k.shape[1]
         ki, vi = (t[ks[i]:ks[i + 1]].transpose(0, 1).unsqueeze(0).repeat_interleave(group, dim=1) for t in (k, v))
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(n, total), scale=scale)
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_mask(n, total, window, q.device), scale=scale)
         out[qs[i]:qs[i + 1]] = o[0].transpose(0, 1)
     return out
 
 
-def _varlen_causal(q, k, v, scale, batch: AttentionBatch) -> torch.Tensor:
+def _varlen_causal(q, k, v, scale, batch: AttentionBatch, left=None) -> torch.Tensor:
     """Whole prompts (nothing cached before them) in one FlashAttention varlen call: a loop of
     one SDPA call per prompt and layer costs ~65 us of host time each."""
     longest = batch.max_query_len
     return torch.ops.aten._flash_attention_forward(q, k, v, batch.cu_query_starts, batch.cu_query_starts,
-                                                   longest, longest, 0.0, True, False, scale=scale)[0]
+                                                   longest, longest, 0.0, True, False, scale=scale,
+                                                   window_size_left=left, window_size_right=_right(left))[0]
 
 
-def _prefill_chunks(out, q, k, v, scale, batch: AttentionBatch, k_cache, v_cache) -> None:
+def _prefill_chunks(out, q, k, v, scale, batch: AttentionBatch, k_cache, v_cache, window=None) -> None:
     for i, (start, end) in enumerate(zip(batch.query_starts, batch.query_starts[1:])):
         context = batch.context_lens[i]
         qi = q[start:end].transpose(0, 1).unsqueeze(0)                        # [1, Hq, n, D]
         if context == 0:
             ki, vi = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (k, v))
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            if window is None or window >= end - start:
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                mask = causal_mask(end - start, end - start, window, q.device)
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         else:
             # A later chunk of a long prompt: its queries see the cached tokens before it, and
             # causally each other (the causal diagonal aligned to the bottom right).
@@ -121,7 +145,8 @@ def _prefill_chunks(out, q, k, v, scale, batch: AttentionBatch, k_cache, v_cache
             group = q.shape[1] // k_cache.shape[1]
             ki = kernels.reference.gather_dense(k_cache, table, total).to(q.dtype).repeat_interleave(group, dim=1)
             vi = kernels.reference.gather_dense(v_cache, table, total).to(q.dtype).repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(end - start, total), scale=scale)
+            mask = causal_mask(end - start, total, window, q.device)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
         out[start:end] = o[0].transpose(0, 1)
 
 
@@ -130,6 +155,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if attn_batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
+    # transformers hands a sliding layer's window in (Gemma 3, Qwen2: ``sliding_window=``), None elsewhere.
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     k_cache, v_cache = attn_batch.kv_caches[module.layer_idx]
     # [B, H, T, D] -> [B*T, H, D]: one row per new token, the order of slot_mapping
     new_k = key.transpose(1, 2).flatten(0, 1)
@@ -137,10 +164,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     kernels.write_kv(k_cache, v_cache, new_k, new_v, attn_batch.slot_mapping)
     if attn_batch.is_decode:
         out = kernels.flash_decode(query[:, :, 0], k_cache, v_cache, attn_batch.block_tables,
-                                   attn_batch.seq_lens, scale=scaling, workspace=attn_batch.workspace)
+                                   attn_batch.seq_lens, scale=scaling, workspace=attn_batch.workspace,
+                                   window=window)
         return out.unsqueeze(1), None
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))     # [T, H, D]
-    return prefill_attention(q, k, v, scaling, attn_batch, k_cache, v_cache).unsqueeze(0), None
+    return prefill_attention(q, k, v, scaling, attn_batch, k_cache, v_cache, window).unsqueeze(0), None
 
 
 def register() -> None:

@@ -23,7 +23,8 @@ void check_cuda(const at::Tensor& t, const char* name, const at::Device& device)
 
 at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t num_splits,
-                        bool three_per_sm, at::Tensor& partial_out, at::Tensor& partial_lse, bool read_ahead) {
+                        bool three_per_sm, at::Tensor& partial_out, at::Tensor& partial_lse, bool read_ahead,
+                        int64_t window) {
   const auto device = q.device();
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"},
                          {&block_table, "block_table"}, {&seq_lens, "seq_lens"}, {&partial_out, "partial_out"},
@@ -37,7 +38,9 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "caches must have q's dtype");
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(1), bs = k_cache.size(2);
-  TORCH_CHECK(supported_head_dim(d), "head_dim must be ", kHeadDims[0], " or ", kHeadDims[1], ", got ", d);
+  TORCH_CHECK(supported_head_dim(d), "head_dim must be ", kHeadDims[0], ", ", kHeadDims[1], " or ", kHeadDims[2],
+              ", got ", d);
+  TORCH_CHECK(window >= 0 && window <= INT32_MAX, "window must be in 0..", INT32_MAX, " (0: none), got ", window);
   TORCH_CHECK(k_cache.size(3) == d, "cache head_dim ", k_cache.size(3), " != q head_dim ", d);
   TORCH_CHECK(hkv >= 1 && hq % hkv == 0, "num_q_heads ", hq, " is not a multiple of num_kv_heads ", hkv);
   TORCH_CHECK(supported_block_size(bs), "unsupported block_size ", bs);
@@ -90,6 +93,7 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   p.dtype = q.scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kHalf;
   p.three_per_sm = three_per_sm;
   p.read_ahead = read_ahead;
+  p.window = static_cast<int>(window);
   const cudaError_t err = launch_flash_decode(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_decode launch failed: ", cudaGetErrorString(err));
   return out;
@@ -310,7 +314,8 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
 TORCH_LIBRARY(flashdecode, m) {
   m.def(
       "flash_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
-      "int num_splits, bool three_per_sm, Tensor(a!) partial_out, Tensor(b!) partial_lse, bool read_ahead=True) "
+      "int num_splits, bool three_per_sm, Tensor(a!) partial_out, Tensor(b!) partial_lse, bool read_ahead=True, "
+      "int window=0) "
       "-> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

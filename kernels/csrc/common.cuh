@@ -157,10 +157,11 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Which query heads a block serves and which part of its sequence.
+// Which query heads a block serves and which part of its sequence: tokens [start, end) of the
+// attended [first, len); a split may start up to a page or tile before ``first`` (masked).
 struct Work {
   int b, kv_head, q_head0, rows;
-  int len, start, end;
+  int len, start, end, first;
 };
 
 template <int D>
@@ -174,9 +175,15 @@ __device__ __forceinline__ Work block_work(const DecodeParams& p) {
   w.q_head0 = w.kv_head * group + (blockIdx.y % head_tiles) * kRows;
   w.rows = min(kRows, (w.kv_head + 1) * group - w.q_head0);
   w.len = min(p.seq_lens[w.b], p.max_blocks * p.block_size);
-  int chunk = max((max(w.len, 0) + gridDim.x - 1) / gridDim.x, kMinChunk);
+  // The splits divide [origin, len): origin is the window's first position rounded down to a page
+  // or tile (whichever is shorter, so that no copy crosses a page and no block wholly before the
+  // window is read).
+  w.first = p.window > 0 ? max(w.len - p.window, 0) : 0;
+  const int align = min(p.block_size, kTile);
+  const int origin = w.first / align * align;
+  int chunk = max((max(w.len - origin, 0) + gridDim.x - 1) / gridDim.x, kMinChunk);
   chunk = (chunk + kTile - 1) / kTile * kTile;
-  const int64_t start = (int64_t)blockIdx.x * chunk;
+  const int64_t start = origin + (int64_t)blockIdx.x * chunk;
   w.start = (int)min(start, (int64_t)w.len);
   w.end = (int)min(start + chunk, (int64_t)w.len);
   return w;

@@ -144,7 +144,7 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
 
 cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
   if (p.num_splits < 1 || p.num_splits > kMaxSplits || p.batch < 1 || p.num_kv_heads < 1) return cudaErrorInvalidValue;
-  if (!supported_block_size(p.block_size)) return cudaErrorInvalidValue;
+  if (!supported_block_size(p.block_size) || p.window < 0) return cudaErrorInvalidValue;
   // Four consumer warps of 32 tokens beat eight of 16 at head_dim 64 (docs/log.md); groups of
   // more heads keep eight warps, which hold the padding rows' softmax state.
   const bool wide = p.head_dim == kWideWarpHeadDim && p.num_q_heads / p.num_kv_heads <= kWideWarpMaxGroup;
@@ -153,9 +153,11 @@ cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
     if (p.head_dim == 64)
       return wide ? launch_typed<__nv_bfloat16, 64, 32>(p, stream) : launch_typed<__nv_bfloat16, 64, 16>(p, stream);
     if (p.head_dim == 128) return launch_typed<__nv_bfloat16, 128, 16>(p, stream);
+    if (p.head_dim == 256) return launch_typed<__nv_bfloat16, 256, 16>(p, stream);
   } else {
     if (p.head_dim == 64) return wide ? launch_typed<__half, 64, 32>(p, stream) : launch_typed<__half, 64, 16>(p, stream);
     if (p.head_dim == 128) return launch_typed<__half, 128, 16>(p, stream);
+    if (p.head_dim == 256) return launch_typed<__half, 256, 16>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

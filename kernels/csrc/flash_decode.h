@@ -7,7 +7,7 @@
 
 // The numbers Python shares with these sources are defined in kernels/constants.py alone;
 // kernels/build.py passes them as -D defines.
-#if !defined(FLASHDECODE_HEAD_DIMS_0) || !defined(FLASHDECODE_HEAD_DIMS_1) || !defined(FLASHDECODE_WIDE_WARP_HEAD_DIM) || !defined(FLASHDECODE_HEADS_PER_BLOCK) || !defined(FLASHDECODE_MAX_SPLITS) || !defined(FLASHDECODE_MIN_CHUNK) || \
+#if !defined(FLASHDECODE_HEAD_DIMS_0) || !defined(FLASHDECODE_HEAD_DIMS_1) || !defined(FLASHDECODE_HEAD_DIMS_2) || !defined(FLASHDECODE_WIDE_WARP_HEAD_DIM) || !defined(FLASHDECODE_HEADS_PER_BLOCK) || !defined(FLASHDECODE_MAX_SPLITS) || !defined(FLASHDECODE_MIN_CHUNK) || \
     !defined(FLASHDECODE_TILE_ELEMENTS) || !defined(FLASHDECODE_WIDE_WARP_MAX_GROUP) ||                          \
     !defined(FLASHDECODE_BLOCKS_PER_SM) || !defined(FLASHDECODE_WIDE_BLOCKS_PER_SM) ||                            \
     !defined(FLASHDECODE_BLOCK_SIZE_GRANULE) || !defined(FLASHDECODE_BLOCK_SIZE_PERIOD)
@@ -17,10 +17,12 @@
 namespace flashdecode {
 
 // The head_dims the launcher instantiates kernels for (launch_flash_decode).
-constexpr int kHeadDims[] = {FLASHDECODE_HEAD_DIMS_0, FLASHDECODE_HEAD_DIMS_1};
-static_assert(kHeadDims[0] == 64 && kHeadDims[1] == 128,
-              "launch_flash_decode instantiates head_dim 64 and 128");
-constexpr bool supported_head_dim(int64_t head_dim) { return head_dim == kHeadDims[0] || head_dim == kHeadDims[1]; }
+constexpr int kHeadDims[] = {FLASHDECODE_HEAD_DIMS_0, FLASHDECODE_HEAD_DIMS_1, FLASHDECODE_HEAD_DIMS_2};
+static_assert(kHeadDims[0] == 64 && kHeadDims[1] == 128 && kHeadDims[2] == 256,
+              "launch_flash_decode instantiates head_dim 64, 128 and 256");
+constexpr bool supported_head_dim(int64_t head_dim) {
+  return head_dim == kHeadDims[0] || head_dim == kHeadDims[1] || head_dim == kHeadDims[2];
+}
 // Query heads one thread block serves (the MMA's M); larger GQA groups take several blocks.
 constexpr int kHeadsPerBlock = FLASHDECODE_HEADS_PER_BLOCK;
 // Largest split count a launch accepts (bounds the merge's shared memory).
@@ -39,7 +41,7 @@ constexpr int kWideBlocksPerSm = FLASHDECODE_WIDE_BLOCKS_PER_SM;
 // kBlockSizePeriod (the largest tile), so that no bulk copy crosses a page.
 constexpr int kBlockSizeGranule = FLASHDECODE_BLOCK_SIZE_GRANULE;
 constexpr int kBlockSizePeriod = FLASHDECODE_BLOCK_SIZE_PERIOD;
-// Tokens of one K/V tile (a 32 KB pipeline stage of K and V): 128 at head_dim 64, 64 at 128.
+// Tokens of one K/V tile (a 32 KB pipeline stage of K and V): 128 at head_dim 64, 64 at 128, 32 at 256.
 __host__ __device__ constexpr int tile_tokens(int head_dim) { return FLASHDECODE_TILE_ELEMENTS / head_dim; }
 static_assert(tile_tokens(64) == kBlockSizePeriod, "the largest tile is the block-size period");
 static_assert(kMinChunk % tile_tokens(64) == 0, "a minimal split is whole tiles");
@@ -81,6 +83,8 @@ struct DecodeParams {
                                   // (else at entry)
   bool merge_waits_first;         // the merge kernel lets the next grid in only once this split grid
                                   // has finished (else at entry)
+
+  int window;                     // sliding window: positions >= seq_len - window only (0: every position)
 };
 
 struct WriteKvParams {

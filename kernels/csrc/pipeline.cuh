@@ -24,8 +24,9 @@ constexpr int kCopyRowsMinTiles = 8;
 // that the producer asks for a tile the moment the predecessor finishes (measured: docs/log.md).
 constexpr int kReadAheadTiles = 2;
 
-// A tile is 32 KB of K+V: 128 tokens for D=64, 64 for D=128. A consumer warp owns W of its tokens:
-// D=64 has 4 consumer warps of 32 (8 of 16 for groups of more than eight heads), D=128 4 of 16.
+// A tile is 32 KB of K+V: 128 tokens for D=64, 64 for D=128, 32 for D=256. A consumer warp owns W
+// of its tokens: D=64 has 4 consumer warps of 32 (8 of 16 for groups of more than eight heads),
+// D=128 4 of 16, D=256 2 of 16.
 template <int D, int W>
 struct Shape {
   static_assert(W == 16 || W == 32, "a consumer warp owns 16 or 32 tokens of a tile");
@@ -43,6 +44,9 @@ struct Shape {
   static_assert(kConsumerWarps * kRows * kOStride * 4 <= kSmemBytes, "epilogue does not fit");
   static_assert(kRows * kMaxSplits * 4 + kThreads * 16 <= kSmemBytes, "merge does not fit");
   static constexpr int kSpreadSmemBytes = 160 * 1024;              // over half an SM's 228 KB
+  // At D=256 a thread's output fragments alone take 128 registers: V is read from the stage in
+  // the P V product (not ahead of the softmax), and the stage released after it.
+  static constexpr bool kLateV = D > 128;
 };
 
 // The next tile's place in the ring of shared-memory stages: its stage, and how often the ring
@@ -167,7 +171,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
     mbar_wait(&full[stage], slot.round & 1);
     const T* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * W * D;
     const T* v_tile = k_tile + kTile * D;
-    if (t_warp >= w.end) {
+    if (t_warp >= w.end || t_warp + W <= w.first) {  // none of this warp's tokens is attended
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[stage]);
       continue;
@@ -184,27 +188,37 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
       }
     }
     uint4 v[kPieces][S::kGroups];
+    if constexpr (!S::kLateV) {
 #pragma unroll
-    for (int h = 0; h < kPieces; ++h)
+      for (int h = 0; h < kPieces; ++h)
 #pragma unroll
-      for (int j = 0; j < S::kGroups; ++j)
-        v[h][j] = *reinterpret_cast<const uint4*>(v_tile + (8 * h + r) * D + 32 * j + 8 * qd);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[stage]);
+        for (int j = 0; j < S::kGroups; ++j)
+          v[h][j] = *reinterpret_cast<const uint4*>(v_tile + (8 * h + r) * D + 32 * j + 8 * qd);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[stage]);
+    }
 
 #pragma unroll
     for (int h = 0; h < kPieces; ++h)
 #pragma unroll
       for (int c = 0; c < 4; ++c) s[h][c] *= scale_log2;
-    if (t_warp + W > w.end) {  // the sequence ends inside this warp's tokens
+    bool dead[kPieces];  // this thread's V row of piece h is outside [first, end): it may hold anything, NaN included
+#pragma unroll
+    for (int h = 0; h < kPieces; ++h) dead[h] = false;
+    if (t_warp + W > w.end || t_warp < w.first) {  // the sequence ends, or the window starts, inside this warp's tokens
 #pragma unroll
       for (int h = 0; h < kPieces; ++h) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
-          if (t_warp + 8 * h + 2 * qd + (c & 1) >= w.end) s[h][c] = kNegInf;
-        if (t_warp + 8 * h + r >= w.end)  // rows past the end may hold anything, NaN included
+        for (int c = 0; c < 4; ++c) {
+          const int t = t_warp + 8 * h + 2 * qd + (c & 1);
+          if (t >= w.end || t < w.first) s[h][c] = kNegInf;
+        }
+        const int t = t_warp + 8 * h + r;
+        dead[h] = t >= w.end || t < w.first;
+        if constexpr (!S::kLateV)
+          if (dead[h])
 #pragma unroll
-          for (int j = 0; j < S::kGroups; ++j) v[h][j] = zero;
+            for (int j = 0; j < S::kGroups; ++j) v[h][j] = zero;
       }
     }
     float lo[2 * kPieces], hi[2 * kPieces];  // row r's scores, then row r + 8's
@@ -224,7 +238,13 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
       pa[kk][3] = kHi ? Elem<T>::pack(hi[4 * kk + 2], hi[4 * kk + 3]) : 0;
     }
 #pragma unroll
-    for (int j = 0; j < S::kGroups; ++j)
+    for (int j = 0; j < S::kGroups; ++j) {
+      uint4 vj[kPieces];
+#pragma unroll
+      for (int h = 0; h < kPieces; ++h)
+        vj[h] = !S::kLateV ? v[h][j]
+                : dead[h]  ? zero
+                           : *reinterpret_cast<const uint4*>(v_tile + (8 * h + r) * D + 32 * j + 8 * qd);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         o[j][c][0] *= alpha_lo;
@@ -236,8 +256,13 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
 #pragma unroll
         for (int kk = 0; kk < W / 16; ++kk)
           Elem<T>::mma(o[j][c], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3],
-                       transpose8x8(word(v[2 * kk][j], c)), transpose8x8(word(v[2 * kk + 1][j], c)));
+                       transpose8x8(word(vj[2 * kk], c)), transpose8x8(word(vj[2 * kk + 1], c)));
       }
+    }
+    if constexpr (S::kLateV) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[stage]);
+    }
   }
   l_lo = quad_sum(l_lo);
   l_hi = quad_sum(l_hi);
