@@ -22,6 +22,11 @@ import kernels
 NAME = "paged_split_kv"   # transformers treats any name containing "flash" as FlashAttention
 
 
+def sliding_windows(model) -> set[int]:
+    """The sliding windows of the model's attention layers (Gemma 3's local layers), for planning."""
+    return {w for layer in model.model.layers if (w := getattr(layer.self_attn, "sliding_window", None))}
+
+
 def head_dim_of(config) -> int:
     """A transformers config's attention head size."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

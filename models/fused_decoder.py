@@ -15,7 +15,6 @@ The q/k/v and gate/up weights are concatenated once and the model's own modules 
 views of them, so the model keeps working and holds one copy.
 """
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +41,6 @@ FAMILIES = {
 }
 
 
-def _kernels_take_windows() -> bool:
-    return "window" in inspect.signature(kernels.flash_decode).parameters
-
-
 def unsupported_reason(model) -> str | None:
     """Why ``model`` cannot run fused, or None when it can."""
     cfg = model.config
@@ -66,8 +61,6 @@ def unsupported_reason(model) -> str | None:
         return "bidirectional attention"
     if cfg.hidden_size % 8 or cfg.intermediate_size % 8 or head_dim_of(cfg) % 8:
         return "hidden, intermediate or head size not a multiple of 8"
-    if any(_window(attn.self_attn) for attn in model.model.layers) and not _kernels_take_windows():
-        return "sliding-window layers, and kernels.flash_decode takes no window"
     return None
 
 
@@ -211,14 +204,13 @@ class FusedDecoder:
             layer_ops.rope_write_kv(qkv, positions, layer.cos_sin, k_cache, v_cache, batch.slot_mapping, hq,
                                     q_norm=layer.q_norm, k_norm=layer.k_norm, eps=self.eps)
             q = qkv[:, :hq * d].unflatten(1, (hq, d))
-            window = {"window": layer.window} if layer.window else {}
             if batch.is_decode:
                 attn = kernels.flash_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                                            scale=self.scale, workspace=batch.workspace, **window)
+                                            scale=self.scale, workspace=batch.workspace, window=layer.window)
             else:
                 k = qkv[:, hq * d:(hq + hkv) * d].unflatten(1, (hkv, d))
                 v = qkv[:, (hq + hkv) * d:].unflatten(1, (hkv, d))
-                attn = prefill_attention(q, k, v, self.scale, batch, k_cache, v_cache, **window)
+                attn = prefill_attention(q, k, v, self.scale, batch, k_cache, v_cache, window=layer.window)
             hidden = layer_ops.linear(attn.reshape(tokens, hq * d), layer.o_proj)
             if layer.attn_out_norm is not None:
                 hidden = layer_ops.rms_norm(hidden, layer.attn_out_norm, self.eps)

@@ -15,7 +15,7 @@ import torch
 
 import kernels
 from models import (AttentionBatch, FusedDecoder, LoadedModel, cpu_forward, cpu_unsupported_reason, forward_logits,
-                    fused_unsupported_reason, head_dim_of)
+                    fused_unsupported_reason, head_dim_of, sliding_windows)
 
 from .config import EngineConfig
 from .graphs import capture_graphs
@@ -55,7 +55,8 @@ class ModelRunner:
             from kernels import ops
             ops.load(self.device)              # build before any capture traces the op
         self.workspace = kernels.Workspace(self.max_batch, self.num_q_heads, self.head_dim, max_model_len,
-                                           self.device, num_kv_heads=self.num_kv_heads)
+                                           self.device, num_kv_heads=self.num_kv_heads,
+                                           windows=sliding_windows(self.model))
         self.num_blocks = config.num_blocks or self._blocks_from_memory(config)
         shape = kernels.cache_shape(self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
