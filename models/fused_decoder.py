@@ -136,6 +136,7 @@ class FusedDecoder:
         self.head_dim = head_dim_of(cfg)
         self.eps = cfg.rms_norm_eps
         self.act = getattr(cfg, family.act_field)
+        self.model_type = cfg.model_type
         self.scale = core.layers[0].self_attn.scaling
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         device = core.embed_tokens.weight.device
@@ -181,7 +182,7 @@ class FusedDecoder:
             ("q/k/v bias", self.layers[0].qkv_bias is not None), ("q/k norms", self.layers[0].q_norm is not None),
             ("sandwich norms", self.layers[0].attn_out_norm is not None),
             (f"sliding windows {windows}", bool(windows)), (self.act, True)) if present]
-        return ", ".join(extras)
+        return f"{self.model_type}: " + ", ".join(extras)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                  logits_rows: torch.Tensor | None = None) -> torch.Tensor:
