@@ -21,11 +21,15 @@ def _load(device: torch.device) -> None:
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (weight * h).to(x.dtype)             # Gemma's rounding: scaled in float32, rounded once
     return weight * h.to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / rms(x)`` over the last dim of ``x [rows, hidden]``."""
+    """``weight * x / rms(x)`` over the last dim of ``x [rows, hidden]``. A float32 ``weight``
+    scales in float32 and rounds once (Gemma's norms); one of ``x``'s dtype rounds the normalised
+    row first (Llama's)."""
     if x.is_cuda:
         _load(x.device)
         return torch.ops.flashdecode.rms_norm(x, weight, eps)

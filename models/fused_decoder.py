@@ -9,7 +9,7 @@ embedding fused with the per-head q/k norms and the KV-cache write, attention ov
 (over the layer's sliding window where it has one), the output projection, norm, one gate/up
 matmul, the down projection applying the gated activation to its input (for a decode step's few
 rows the projections are our GEMV). Gemma's extra norms on the attention and MLP outputs add one
-launch each; its ``(1 + w)`` norm weights are folded into the stored weights once.
+launch each; its ``(1 + w)`` norm weights are folded once into float32 weights.
 
 The q/k/v and gate/up weights are concatenated once and the model's own modules are pointed at
 views of them, so the model keeps working and holds one copy.
@@ -101,9 +101,11 @@ def _fuse(tensors_of, linears) -> torch.Tensor:
 
 
 def _norm_weight(norm, family: Family) -> torch.Tensor:
+    """The weight the norm kernels take: Gemma's ``1 + w`` in float32, as its norm computes it
+    (the kernels then round once, as it does)."""
     if not family.norm_offset:
         return norm.weight
-    return (norm.weight.float() + family.norm_offset).to(norm.weight.dtype)
+    return norm.weight.float() + family.norm_offset
 
 
 @dataclass

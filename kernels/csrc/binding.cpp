@@ -163,8 +163,9 @@ void rms_norm_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor*
   for (const at::Tensor* t : {&out, &weight}) check_cuda(*t, "rms_norm tensor", x.device());
   check_rows(x, "x", hidden);
   check_rows(out, "out", hidden);
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
-              "x, weight and out must share a dtype");
+  TORCH_CHECK((weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat) &&
+                  out.scalar_type() == x.scalar_type(),
+              "x and out must share a dtype, and weight be of it or float32");
   RmsNormParams p{};
   p.out = out.data_ptr();
   p.x = x.data_ptr();
@@ -175,6 +176,7 @@ void rms_norm_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor*
     p.residual = residual->data_ptr();
   }
   p.weight = weight.data_ptr();
+  p.weight_fp32 = weight.scalar_type() == at::kFloat;
   p.rows = x.size(0);
   p.x_stride = x.stride(0);
   p.out_stride = out.stride(0);
@@ -291,9 +293,11 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
     if (!norm->has_value()) continue;
     check_cuda(**norm, "q_norm/k_norm", device);
     TORCH_CHECK((*norm)->dim() == 1 && (*norm)->size(0) == d && (*norm)->is_contiguous() &&
-                    (*norm)->scalar_type() == qkv.scalar_type(),
-                "q_norm and k_norm must be contiguous [D] of qkv's dtype");
+                    ((*norm)->scalar_type() == qkv.scalar_type() || (*norm)->scalar_type() == at::kFloat) &&
+                    (*norm)->scalar_type() == (*q_norm).scalar_type(),
+                "q_norm and k_norm must be contiguous [D] of one dtype, qkv's or float32");
   }
+  p.norm_fp32 = q_norm.has_value() && q_norm->scalar_type() == at::kFloat;
   p.q_norm = q_norm.has_value() ? q_norm->data_ptr() : nullptr;
   p.k_norm = k_norm.has_value() ? k_norm->data_ptr() : nullptr;
   p.eps = static_cast<float>(eps);

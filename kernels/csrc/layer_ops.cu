@@ -50,6 +50,14 @@ __device__ __forceinline__ float gated_act(float g) {
   }
 }
 
+// A norm's output: Llama's rounding (normalised, rounded, times the weight of the storage type)
+// or, with a float32 weight, Gemma's (normalised times the weight in float32, rounded once).
+template <typename T>
+__device__ __forceinline__ T scaled_norm(float x, float inv_rms, const void* weight, bool weight_fp32, int i) {
+  if (weight_fp32) return from_float<T>(static_cast<const float*>(weight)[i] * (x * inv_rms));
+  return from_float<T>(to_float(static_cast<const T*>(weight)[i]) * rounded<T>(x * inv_rms));
+}
+
 // One block per row. With a residual: residual = round(residual + x), out = norm(residual) * w.
 template <typename T, bool kResidual>
 __global__ void rms_norm_kernel(RmsNormParams p) {
@@ -59,7 +67,6 @@ __global__ void rms_norm_kernel(RmsNormParams p) {
   const auto* x = reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.x) + row * p.x_stride);
   auto* res = reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.residual) + row * p.hidden);
   auto* out = reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.out) + row * p.out_stride);
-  const auto* w = reinterpret_cast<const Vec8<T>*>(p.weight);
 
   float squares = 0.f;
   for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
@@ -77,10 +84,15 @@ __global__ void rms_norm_kernel(RmsNormParams p) {
   for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
     // Each thread rereads only what it wrote itself above, and x is not read after the barrier.
     const Vec8<T> a = kResidual ? res[i] : x[i];
-    const Vec8<T> g = w[i];
     Vec8<T> o;
+    if (p.weight_fp32) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) o.v[j] = from_float<T>(to_float(g.v[j]) * rounded<T>(to_float(a.v[j]) * inv_rms));
+      for (int j = 0; j < 8; ++j) o.v[j] = scaled_norm<T>(to_float(a.v[j]), inv_rms, p.weight, true, i * 8 + j);
+    } else {
+      const Vec8<T> g = reinterpret_cast<const Vec8<T>*>(p.weight)[i];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o.v[j] = from_float<T>(to_float(g.v[j]) * rounded<T>(to_float(a.v[j]) * inv_rms));
+    }
     out[i] = o;
   }
 }
@@ -129,12 +141,12 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     for (int head = warp; head < p.num_q_heads + p.num_kv_heads; head += warps) {
       T* h = row + head * d;
-      const T* w = static_cast<const T*>(head < p.num_q_heads ? p.q_norm : p.k_norm);
+      const void* w = head < p.num_q_heads ? p.q_norm : p.k_norm;
       float squares = 0.f;
       for (int j = lane; j < d; j += 32) squares += to_float(h[j]) * to_float(h[j]);
       for (int offset = 16; offset > 0; offset >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
       const float inv_rms = rsqrtf(squares / d + p.eps);
-      for (int j = lane; j < d; j += 32) h[j] = from_float<T>(to_float(w[j]) * rounded<T>(to_float(h[j]) * inv_rms));
+      for (int j = lane; j < d; j += 32) h[j] = scaled_norm<T>(to_float(h[j]), inv_rms, w, p.norm_fp32, j);
     }
     __syncthreads();
   }

@@ -15,7 +15,8 @@ struct RmsNormParams {
   void* out;                 // [rows, hidden], row stride out_stride (elements); may alias x
   const void* x;             // [rows, hidden], row stride x_stride
   void* residual;            // [rows, hidden] contiguous, or null: with it, residual += x, then out = norm(residual)
-  const void* weight;        // [hidden]
+  const void* weight;        // [hidden], of x's dtype, or float32 (Gemma's rounding: scaled in float32, rounded once)
+  bool weight_fp32;
   int64_t rows, x_stride, out_stride;
   int hidden;                // a multiple of 8
   float eps;
@@ -44,7 +45,8 @@ struct RopeKvParams {
   const void* slot_mapping;  // [T] int32 or int64; a negative slot writes nothing
   bool slots_are_int64;
   const void* q_norm;        // [D] each, or both null: each query and key head is RMS-normalised
-  const void* k_norm;        //   (weights of qkv's dtype) before it is rotated
+  const void* k_norm;        //   before it is rotated (weights of qkv's dtype, or float32 as RmsNormParams)
+  bool norm_fp32;
   float eps;
   int64_t num_tokens;
   int num_q_heads, num_kv_heads, head_dim, block_size;

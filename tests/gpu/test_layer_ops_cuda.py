@@ -1,6 +1,6 @@
-"""The per-layer CUDA ops (RMSNorm, add + RMSNorm, the gated activations, rotary embedding with
-the per-head q/k norms and the KV-cache write, the GEMV with its bias and gated input) against
-float64 (GPU only).
+"""The per-layer CUDA ops (RMSNorm with Llama's and Gemma's rounding, add + RMSNorm, the gated
+activations, rotary embedding with the per-head q/k norms and the KV-cache write, the GEMV with
+its bias and gated input) against float64 (GPU only).
 
 Criterion as for attention: the kernel's max error against float64 is at most twice that of the
 same computation done by PyTorch in the low precision (plus one ulp of slack for the final
@@ -197,15 +197,39 @@ def test_linear_with_bias(rows, n, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 640), (64, 640), (5, 1152)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_with_float32_weight_rounds_once(rows, hidden, residual, dtype):
+    """Gemma's norms: the folded ``1 + w`` kept in float32, scaled in float32 and rounded once, as
+    Gemma3RMSNorm does; against float64 and against that module's arithmetic."""
+    x = torch.randn(rows, hidden, device=DEVICE, dtype=dtype) * 3
+    res = torch.randn(rows, hidden, device=DEVICE, dtype=dtype)
+    weight = 1 + torch.randn(hidden, device=DEVICE, dtype=torch.float32) * 0.3
+    summed = res + x if residual else x
+    exact = rms_norm64(summed, weight, 1e-6)
+    h = summed.float()
+    theirs = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight).to(dtype)
+    if residual:
+        ours, res_ours = x.clone(), res.clone()
+        layer_ops.add_rms_norm(ours, res_ours, weight, 1e-6)
+        assert torch.equal(res_ours, summed)
+    else:
+        ours = layer_ops.rms_norm(x, weight, 1e-6)
+    check(ours, theirs, exact, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_dtype", ["model", "float32"], ids=["qwen3-norm", "gemma3-norm"])
 @pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (4, 1, 256), (14, 2, 64)])
-def test_rope_write_kv_with_head_norms(hq, hkv, d, dtype):
+def test_rope_write_kv_with_head_norms(hq, hkv, d, dtype, norm_dtype):
     """Qwen3's and Gemma 3's per-head q/k RMSNorm, fused in front of the rotation: against
     float64 and against transformers' order (norm in the low precision, then the rotation)."""
     tokens, block_size, num_blocks, max_positions, eps = 21, 16, 4, 4096, 1e-6
     table64 = rotary_table(max_positions, d)
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, device=DEVICE, dtype=dtype) * 3
-    q_norm = torch.randn(d, device=DEVICE, dtype=dtype)
-    k_norm = torch.randn(d, device=DEVICE, dtype=dtype)
+    weight_dtype = dtype if norm_dtype == "model" else torch.float32
+    q_norm = torch.randn(d, device=DEVICE, dtype=weight_dtype)
+    k_norm = torch.randn(d, device=DEVICE, dtype=weight_dtype)
     positions = torch.randint(0, max_positions, (tokens,), device=DEVICE, dtype=torch.int32)
     slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens].to(torch.int32)
     k_cache = torch.full((num_blocks, hkv, block_size, d), float("nan"), device=DEVICE, dtype=dtype)
