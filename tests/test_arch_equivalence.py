@@ -87,3 +87,29 @@ def test_greedy_generation_identical_to_transformers(loaded, reference):
     expected = expected[0, len(prompt):].tolist()
     got = runner_greedy(make_runner(loaded, fused=True), prompt, 32)
     assert got == expected, f"{loaded.name}: first difference at {next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)}"
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(mlp_bias=True), "MLP projections with bias"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not one of silu, gelu_pytorch_tanh"),
+], ids=["mlp-bias", "gelu"])
+def test_what_cannot_run_fused_runs_transformers_layers_and_the_log_says_why(change, reason, caplog):
+    from dataclasses import replace
+    from transformers import AutoModelForCausalLM
+
+    from models.loader import LoadedModel
+    from models.presets import preset_config
+
+    base = load_model("random:tiny", dtype="float32", device="cpu")       # registers our attention too
+    config = preset_config("tiny")
+    for key, value in change.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=base.config._attn_implementation).eval()
+    assert fused_unsupported_reason(model) == reason
+    loaded = replace(base, model=model)
+    assert isinstance(loaded, LoadedModel)
+    with caplog.at_level(logging.INFO, logger="server.engine.model_runner"):
+        runner = ModelRunner(loaded, EngineConfig(max_batch=2, num_blocks=8, block_size=16, cpu_weights="float"),
+                             max_model_len=256)
+    assert not isinstance(runner.forward, FusedDecoder)
+    assert f"decoder layers run through transformers' modules ({reason})" in caplog.text
