@@ -59,15 +59,16 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake("flashdecode::silu_and_mul")
-    def _silu_and_mul_fake(x):
+    def _silu_and_mul_fake(x, act=0):
         return x.new_empty(x.shape[0], x.shape[1] // 2)
 
     @torch.library.register_fake("flashdecode::gemv")
-    def _gemv_fake(x, w, silu_mul=False):
+    def _gemv_fake(x, w, gated=False, bias=None, act=0):
         return x.new_empty(x.shape[0], w.shape[0])
 
     @torch.library.register_fake("flashdecode::rope_write_kv")
-    def _rope_write_kv_fake(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_q_heads):
+    def _rope_write_kv_fake(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_q_heads, q_norm=None,
+                            k_norm=None, eps=0.0):
         return None
 
     _fakes_registered = True

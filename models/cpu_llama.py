@@ -1,6 +1,6 @@
 """A Llama-family model step on the CPU: the GGUF's own low-bit weights, few ops per layer.
 
-Same contract as ``FusedLlama`` and ``forward_logits``. The projections run either the
+Same contract as ``FusedDecoder`` and ``forward_logits``. The projections run either the
 file's quantised weights (``models.quantized``: packed int4, bfloat16 activations) or the
 model's dense float weights (in the model's dtype); the residual stream, norms, rotary
 embedding and attention stay in the KV cache's dtype (float32 by default). Query and key
@@ -185,6 +185,16 @@ def from_dense(model, max_positions: int) -> CpuLlama:
     describe = f"float ({dtype}, {sum(p.numel() for p in model.parameters()) * embed_weight.element_size() / 1e6:.0f} MB)"
     return CpuLlama(model, layers, lambda ids: F.embedding(ids, embed_weight), head, core.norm.weight,
                     max_positions, describe)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why this step cannot run ``model`` (it runs Llama's layers only), or None when it can."""
+    cfg = model.config
+    if cfg.model_type != "llama":
+        return f"model_type {cfg.model_type!r} is not llama"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False) or cfg.hidden_act != "silu":
+        return "projections with bias or an activation other than silu"
+    return None
 
 
 def cpu_forward(model, gguf_path: Path | None, mode: str, max_positions: int) -> CpuLlama:

@@ -14,6 +14,7 @@ from filelock import FileLock, Timeout
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from . import attention
+from .gguf_rope import llama3_rope_parameters
 from .presets import preset_config
 from .sources import ModelSource, resolve
 
@@ -116,6 +117,9 @@ def _convert(gguf: Path, folder: Path) -> None:
 def _write_checkpoint(gguf: Path, folder: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if model.config.model_type == "llama" and (rope := llama3_rope_parameters(gguf, model.config)) is not None:
+        log.info("%s: llama3 rope scaling %s, from its rope_freqs tensor", gguf.name, rope)
+        model.config.rope_parameters = rope        # the saved config carries it; loading builds the rotary table
     # The weights are dequantized to float32 on load; what is saved is a plain checkpoint.
     del model.config.quantization_config
     model.hf_quantizer = None

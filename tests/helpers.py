@@ -63,3 +63,56 @@ def check_one_request_fails_then_the_engine_serves(engine) -> None:
     assert failed.reason == "error" and "injected" in failed.error
     (tokens, _, ok), = run_all(engine, [([5, 6, 7], params)])
     assert ok.reason == "length" and len(tokens) == 6
+
+
+def perturb_small_tensors(model, seed: int = 0, spread: float = 0.2) -> None:
+    """Norm weights and biases set to random values: a random-weight model initialises them to
+    constants (ones, zeros), under which a missing bias or a wrong norm offset goes unseen."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_((torch.randn(param.shape, generator=gen) * spread).to(param.dtype).to(param.device))
+
+
+def runner_teacher_forced(runner, prompt: list[int], continuation: list[int]):
+    """Logits of the prompt's last position from one prefill, then of each decode step fed
+    ``continuation`` (its last token is not fed): ``[len(continuation), vocab]``."""
+    import torch
+
+    from server.engine.block_manager import BlockManager
+    from server.engine.sequence import Sequence
+
+    blocks = BlockManager(runner.num_blocks, runner.block_size)
+    seq = Sequence("tf", prompt, SamplingParams(), seed=0)
+    blocks.grow(seq.block_table, seq.length)
+    rows = [runner.prefill([(seq, seq.length)])[0].float()]
+    seq.num_cached = seq.length
+    for token in continuation[:-1]:
+        seq.append(token)
+        blocks.grow(seq.block_table, seq.length)
+        rows.append(runner.decode([seq])[0].float())
+        seq.num_cached = seq.length
+    return torch.stack(rows)
+
+
+def runner_greedy(runner, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy decoding through the runner's own prefill and decode steps."""
+    from server.engine.block_manager import BlockManager
+    from server.engine.sequence import Sequence
+
+    blocks = BlockManager(runner.num_blocks, runner.block_size)
+    seq = Sequence("greedy", prompt, SamplingParams(), seed=0)
+    blocks.grow(seq.block_table, seq.length)
+    logits = runner.prefill([(seq, seq.length)])[0]
+    out = []
+    while True:
+        out.append(int(logits.argmax()))
+        if len(out) == new_tokens:
+            return out
+        seq.num_cached = seq.length
+        seq.append(out[-1])
+        blocks.grow(seq.block_table, seq.length)
+        logits = runner.decode([seq])[0]

@@ -80,3 +80,19 @@ def test_refuses_a_caching_setting_named_twice(capsys):
         engine_bench.main(["--model", "random:tiny", "--device", "cpu", "--prefix-caching", "on", "on"])
     assert exit_info.value.code == 2
     assert "--prefix-caching" in capsys.readouterr().err
+
+
+def test_the_architecture_benchmark_writes_a_row_per_preset_and_batch(tmp_path):
+    from load_tests import arch_bench
+
+    status = arch_bench.main(["--device", "cpu", "--presets", "qwen3-0.6b@1", "tiny", "--batch", "1", "2",
+                              "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "arch_bench.json").read_text())
+    assert status == 0 and result["failed"] == {}
+    assert [(r["preset"], r["batch"]) for r in result["rows"]] == [("qwen3-0.6b@1", 1), ("qwen3-0.6b@1", 2),
+                                                                   ("tiny", 1), ("tiny", 2)]
+    assert result["rows"][0]["fused_step"] == "FusedDecoder"
+    for row in result["rows"]:
+        assert all(row[f"{name}_tok_per_s"] > 0 for name in arch_bench.COLUMNS)
+        assert {name: len(runs) for name, runs in row["runs_s"].items()} == dict.fromkeys(arch_bench.COLUMNS, 1)
+    assert "| qwen3-0.6b@1 | 1 |" in (tmp_path / "arch_bench.md").read_text()

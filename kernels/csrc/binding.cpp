@@ -1,5 +1,5 @@
 // torch.library registration of the flashdecode ops (CUDA): flash_decode and write_kv, and the
-// per-layer ops rms_norm, add_rms_norm, silu_and_mul, gemv and rope_write_kv.
+// per-layer ops rms_norm, add_rms_norm, silu_and_mul (either gated activation), gemv and rope_write_kv.
 // kernels/ops.py validates inputs with readable errors and registers the fake (meta) kernels;
 // the checks here only guard the raw pointers for callers of torch.ops.flashdecode directly.
 
@@ -163,8 +163,9 @@ void rms_norm_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor*
   for (const at::Tensor* t : {&out, &weight}) check_cuda(*t, "rms_norm tensor", x.device());
   check_rows(x, "x", hidden);
   check_rows(out, "out", hidden);
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
-              "x, weight and out must share a dtype");
+  TORCH_CHECK((weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat) &&
+                  out.scalar_type() == x.scalar_type(),
+              "x and out must share a dtype, and weight be of it or float32");
   RmsNormParams p{};
   p.out = out.data_ptr();
   p.x = x.data_ptr();
@@ -175,6 +176,7 @@ void rms_norm_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor*
     p.residual = residual->data_ptr();
   }
   p.weight = weight.data_ptr();
+  p.weight_fp32 = weight.scalar_type() == at::kFloat;
   p.rows = x.size(0);
   p.x_stride = x.stride(0);
   p.out_stride = out.stride(0);
@@ -196,16 +198,27 @@ void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
   rms_norm_into(x, x, &residual, weight, eps);
 }
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, bool silu_mul) {
+GatedAct gated_act_of(int64_t act) {
+  TORCH_CHECK(act == 0 || act == 1, "act must be 0 (silu) or 1 (gelu_pytorch_tanh), got ", act);
+  return static_cast<GatedAct>(act);
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, bool gated, const std::optional<at::Tensor>& bias,
+                int64_t act) {
   check_cuda(w, "w", x.device());
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) % 8 == 0 && aligned16(w) &&
                   w.scalar_type() == x.scalar_type(),
               "w must be contiguous [n, k] of x's dtype, k a multiple of 8");
   const int64_t n = w.size(0), k = w.size(1), rows = x.size(0);
-  check_rows(x, "x", silu_mul ? 2 * k : k);
+  check_rows(x, "x", gated ? 2 * k : k);
   TORCH_CHECK(rows <= kGemvMaxRows, "gemv serves at most ", kGemvMaxRows, " rows, got ", rows);
   TORCH_CHECK(rows * k * x.element_size() <= kGemvMaxSmemBytes, "gemv input rows (", rows, " x ", k,
               ") exceed its shared memory");
+  if (bias.has_value()) {
+    check_cuda(*bias, "bias", x.device());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() && bias->scalar_type() == x.scalar_type(),
+                "bias must be contiguous [n] of x's dtype");
+  }
   at::Tensor y = at::empty({rows, n}, x.options());
   GemvParams p{};
   p.y = y.data_ptr();
@@ -215,7 +228,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, bool silu_mul) {
   p.rows = static_cast<int>(rows);
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
-  p.silu_mul = silu_mul;
+  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  p.gated = gated;
+  p.act = gated_act_of(act);
   p.dtype = dtype_of(x);
   c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t err = launch_gemv(p, c10::cuda::getCurrentCUDAStream());
@@ -223,7 +238,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, bool silu_mul) {
   return y;
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
+at::Tensor silu_and_mul(const at::Tensor& x, int64_t act) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0 && aligned16(x),
               "x must be contiguous [rows, 2 * inter], inter a multiple of 8");
   const int64_t inter = x.size(1) / 2;
@@ -233,6 +248,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   p.in = x.data_ptr();
   p.rows = x.size(0);
   p.inter = static_cast<int>(inter);
+  p.act = gated_act_of(act);
   p.dtype = dtype_of(x);
   c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t err = launch_silu_and_mul(p, c10::cuda::getCurrentCUDAStream());
@@ -241,7 +257,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin, at::Tensor& k_cache,
-                   at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_q_heads) {
+                   at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_q_heads,
+                   const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps) {
   const auto device = qkv.device();
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&positions, "positions"}, {&cos_sin, "cos_sin"},
                          {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&slot_mapping, "slot_mapping"}})
@@ -271,6 +288,19 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   p.v_cache = v_cache.data_ptr();
   p.slot_mapping = slot_mapping.data_ptr();
   p.slots_are_int64 = slot_mapping.scalar_type() == at::kLong;
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+  for (const auto* norm : {&q_norm, &k_norm}) {
+    if (!norm->has_value()) continue;
+    check_cuda(**norm, "q_norm/k_norm", device);
+    TORCH_CHECK((*norm)->dim() == 1 && (*norm)->size(0) == d && (*norm)->is_contiguous() &&
+                    ((*norm)->scalar_type() == qkv.scalar_type() || (*norm)->scalar_type() == at::kFloat) &&
+                    (*norm)->scalar_type() == (*q_norm).scalar_type(),
+                "q_norm and k_norm must be contiguous [D] of one dtype, qkv's or float32");
+  }
+  p.norm_fp32 = q_norm.has_value() && q_norm->scalar_type() == at::kFloat;
+  p.q_norm = q_norm.has_value() ? q_norm->data_ptr() : nullptr;
+  p.k_norm = k_norm.has_value() ? k_norm->data_ptr() : nullptr;
+  p.eps = static_cast<float>(eps);
   p.num_tokens = tokens;
   p.num_q_heads = static_cast<int>(num_q_heads);
   p.num_kv_heads = static_cast<int>(hkv);
@@ -294,11 +324,11 @@ TORCH_LIBRARY(flashdecode, m) {
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("gemv(Tensor x, Tensor w, bool silu_mul=False) -> Tensor");
+  m.def("silu_and_mul(Tensor x, int act=0) -> Tensor");
+  m.def("gemv(Tensor x, Tensor w, bool gated=False, Tensor? bias=None, int act=0) -> Tensor");
   m.def(
       "rope_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-      "Tensor slot_mapping, int num_q_heads) -> ()");
+      "Tensor slot_mapping, int num_q_heads, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flashdecode, CUDA, m) {

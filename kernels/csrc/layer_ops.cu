@@ -40,6 +40,24 @@ __device__ float block_sum(float v) {
   return v;
 }
 
+template <GatedAct kAct>
+__device__ __forceinline__ float gated_act(float g) {
+  if constexpr (kAct == GatedAct::kSilu) {
+    return g / (1.f + expf(-g));
+  } else {
+    constexpr float kSqrt2OverPi = 0.7978845608028654f;
+    return 0.5f * g * (1.f + tanhf(kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+  }
+}
+
+// A norm's output: Llama's rounding (normalised, rounded, times the weight of the storage type)
+// or, with a float32 weight, Gemma's (normalised times the weight in float32, rounded once).
+template <typename T>
+__device__ __forceinline__ T scaled_norm(float x, float inv_rms, const void* weight, bool weight_fp32, int i) {
+  if (weight_fp32) return from_float<T>(static_cast<const float*>(weight)[i] * (x * inv_rms));
+  return from_float<T>(to_float(static_cast<const T*>(weight)[i]) * rounded<T>(x * inv_rms));
+}
+
 // One block per row. With a residual: residual = round(residual + x), out = norm(residual) * w.
 template <typename T, bool kResidual>
 __global__ void rms_norm_kernel(RmsNormParams p) {
@@ -49,7 +67,6 @@ __global__ void rms_norm_kernel(RmsNormParams p) {
   const auto* x = reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.x) + row * p.x_stride);
   auto* res = reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.residual) + row * p.hidden);
   auto* out = reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.out) + row * p.out_stride);
-  const auto* w = reinterpret_cast<const Vec8<T>*>(p.weight);
 
   float squares = 0.f;
   for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
@@ -67,16 +84,21 @@ __global__ void rms_norm_kernel(RmsNormParams p) {
   for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
     // Each thread rereads only what it wrote itself above, and x is not read after the barrier.
     const Vec8<T> a = kResidual ? res[i] : x[i];
-    const Vec8<T> g = w[i];
     Vec8<T> o;
+    if (p.weight_fp32) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) o.v[j] = from_float<T>(to_float(g.v[j]) * rounded<T>(to_float(a.v[j]) * inv_rms));
+      for (int j = 0; j < 8; ++j) o.v[j] = scaled_norm<T>(to_float(a.v[j]), inv_rms, p.weight, true, i * 8 + j);
+    } else {
+      const Vec8<T> g = reinterpret_cast<const Vec8<T>*>(p.weight)[i];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o.v[j] = from_float<T>(to_float(g.v[j]) * rounded<T>(to_float(a.v[j]) * inv_rms));
+    }
     out[i] = o;
   }
 }
 
-template <typename T>
-__global__ void silu_and_mul_kernel(SiluMulParams p) {
+template <typename T, GatedAct kAct>
+__global__ void act_and_mul_kernel(SiluMulParams p) {
   pdl_trigger_then_wait();
   const int vecs = p.inter / 8;
   const int64_t total = p.rows * vecs;
@@ -89,14 +111,15 @@ __global__ void silu_and_mul_kernel(SiluMulParams p) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float g = to_float(gate.v[j]);
-      o.v[j] = from_float<T>(rounded<T>(g / (1.f + expf(-g))) * to_float(up.v[j]));
+      o.v[j] = from_float<T>(rounded<T>(gated_act<kAct>(g)) * to_float(up.v[j]));
     }
     reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.out) + row * p.inter)[col] = o;
   }
 }
 
-// One block per token: rotates its query and key heads in place (rotate-half convention), then
-// stores the rotated key and the value at the token's cache slot.
+// One block per token: RMS-normalises its query and key heads in place when the params carry
+// their weights (one warp per head), rotates them in place (rotate-half convention), then stores
+// the rotated key and the value at the token's cache slot.
 template <typename T>
 __global__ void rope_write_kv_kernel(RopeKvParams p) {
   pdl_trigger_then_wait();
@@ -113,6 +136,20 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
   };
   T* k_cache = static_cast<T*>(p.k_cache);
   T* v_cache = static_cast<T*>(p.v_cache);
+
+  if (p.q_norm != nullptr) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    for (int head = warp; head < p.num_q_heads + p.num_kv_heads; head += warps) {
+      T* h = row + head * d;
+      const void* w = head < p.num_q_heads ? p.q_norm : p.k_norm;
+      float squares = 0.f;
+      for (int j = lane; j < d; j += 32) squares += to_float(h[j]) * to_float(h[j]);
+      for (int offset = 16; offset > 0; offset >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+      const float inv_rms = rsqrtf(squares / d + p.eps);
+      for (int j = lane; j < d; j += 32) h[j] = scaled_norm<T>(to_float(h[j]), inv_rms, w, p.norm_fp32, j);
+    }
+    __syncthreads();
+  }
 
   const int rotated = (p.num_q_heads + p.num_kv_heads) * half;
   for (int i = threadIdx.x; i < rotated; i += blockDim.x) {
@@ -138,7 +175,7 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
 // cuBLAS's GEMM kernels spend ~4 us on a 1 MB weight. The block first stages its input rows in
 // shared memory (applying SiLU-and-multiply there, once per block, for the down projection);
 // then each warp streams one weight row with 16-byte loads and reduces it against every row.
-template <typename T, int kRows, bool kSiluMul>
+template <typename T, int kRows, bool kGated, GatedAct kAct>
 __global__ void gemv_kernel(GemvParams p) {
   pdl_trigger_then_wait();
   extern __shared__ __align__(16) uint8_t gemv_smem[];
@@ -148,12 +185,12 @@ __global__ void gemv_kernel(GemvParams p) {
     const int r = i / vecs, c = i % vecs;
     const T* row = static_cast<const T*>(p.x) + r * p.x_stride;
     Vec8<T> a = reinterpret_cast<const Vec8<T>*>(row)[c];
-    if constexpr (kSiluMul) {
+    if constexpr (kGated) {
       const Vec8<T> up = reinterpret_cast<const Vec8<T>*>(row + p.k)[c];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float g = to_float(a.v[j]);
-        a.v[j] = from_float<T>(rounded<T>(g / (1.f + expf(-g))) * to_float(up.v[j]));
+        a.v[j] = from_float<T>(rounded<T>(gated_act<kAct>(g)) * to_float(up.v[j]));
       }
     }
     reinterpret_cast<Vec8<T>*>(xs + r * p.k)[c] = a;
@@ -164,6 +201,7 @@ __global__ void gemv_kernel(GemvParams p) {
   const int col = blockIdx.x * (blockDim.x / 32) + warp;
   if (col >= p.n) return;
   const auto* w = reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.w) + int64_t(col) * p.k);
+  const float bias = p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[col]) : 0.f;
   float acc[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
@@ -180,26 +218,28 @@ __global__ void gemv_kernel(GemvParams p) {
   for (int r = 0; r < kRows; ++r) {
     float v = acc[r];
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    if (lane == 0) static_cast<T*>(p.y)[int64_t(r) * p.n + col] = from_float<T>(v);
+    if (lane == 0) static_cast<T*>(p.y)[int64_t(r) * p.n + col] = from_float<T>(v + bias);
   }
 }
 
 constexpr int kThreads = 128;
 constexpr int kGemvWarps = 4;
 
-template <typename T, int kRows, bool kSiluMul>
+template <typename T, int kRows, bool kGated, GatedAct kAct>
 cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream) {
   static uint64_t smem_raised = 0;
-  const cudaError_t err = allow_dynamic_smem(gemv_kernel<T, kRows, kSiluMul>, kGemvMaxSmemBytes, smem_raised);
+  const cudaError_t err = allow_dynamic_smem(gemv_kernel<T, kRows, kGated, kAct>, kGemvMaxSmemBytes, smem_raised);
   if (err != cudaSuccess) return err;
   const unsigned blocks = static_cast<unsigned>((p.n + kGemvWarps - 1) / kGemvWarps);
   const size_t smem = size_t(kRows) * p.k * sizeof(T);
-  return launch_pdl(gemv_kernel<T, kRows, kSiluMul>, dim3(blocks), dim3(kGemvWarps * 32), smem, stream, p);
+  return launch_pdl(gemv_kernel<T, kRows, kGated, kAct>, dim3(blocks), dim3(kGemvWarps * 32), smem, stream, p);
 }
 
 template <typename T, int kRows>
 cudaError_t gemv_rows(const GemvParams& p, cudaStream_t stream) {
-  return p.silu_mul ? gemv_launch<T, kRows, true>(p, stream) : gemv_launch<T, kRows, false>(p, stream);
+  if (!p.gated) return gemv_launch<T, kRows, false, GatedAct::kSilu>(p, stream);
+  return p.act == GatedAct::kSilu ? gemv_launch<T, kRows, true, GatedAct::kSilu>(p, stream)
+                                  : gemv_launch<T, kRows, true, GatedAct::kGeluTanh>(p, stream);
 }
 
 template <typename T>
@@ -224,7 +264,9 @@ template <typename T>
 cudaError_t silu_and_mul_typed(const SiluMulParams& p, cudaStream_t stream) {
   const int64_t vecs = p.rows * (p.inter / 8);
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((vecs + kThreads - 1) / kThreads, 65535));
-  return launch_pdl(silu_and_mul_kernel<T>, dim3(blocks), dim3(kThreads), 0, stream, p);
+  return p.act == GatedAct::kSilu
+             ? launch_pdl(act_and_mul_kernel<T, GatedAct::kSilu>, dim3(blocks), dim3(kThreads), 0, stream, p)
+             : launch_pdl(act_and_mul_kernel<T, GatedAct::kGeluTanh>, dim3(blocks), dim3(kThreads), 0, stream, p);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Plain-C++ interface of the small per-layer kernels (layer_ops.cu) that, with the attention
 // kernels, make a decoder layer's decode step ten launches: RMSNorm (optionally fused with the
-// residual add), rotary embedding fused with the KV-cache write, and SiLU-and-multiply.
+// residual add), rotary embedding fused with the per-head q/k norms and the KV-cache write, the
+// gated activations, and the GEMV of a decode step's few rows.
 #pragma once
 
 #include <cstdint>
@@ -14,18 +15,23 @@ struct RmsNormParams {
   void* out;                 // [rows, hidden], row stride out_stride (elements); may alias x
   const void* x;             // [rows, hidden], row stride x_stride
   void* residual;            // [rows, hidden] contiguous, or null: with it, residual += x, then out = norm(residual)
-  const void* weight;        // [hidden]
+  const void* weight;        // [hidden], of x's dtype, or float32 (Gemma's rounding: scaled in float32, rounded once)
+  bool weight_fp32;
   int64_t rows, x_stride, out_stride;
   int hidden;                // a multiple of 8
   float eps;
   DType dtype;
 };
 
+// The gated MLP activations: act(gate) * up.
+enum class GatedAct : int { kSilu = 0, kGeluTanh = 1 };
+
 struct SiluMulParams {
   void* out;                 // [rows, inter] contiguous
   const void* in;            // [rows, 2 * inter] contiguous: gate then up
   int64_t rows;
   int inter;                 // a multiple of 8
+  GatedAct act;
   DType dtype;
 };
 
@@ -38,6 +44,10 @@ struct RopeKvParams {
   void* v_cache;
   const void* slot_mapping;  // [T] int32 or int64; a negative slot writes nothing
   bool slots_are_int64;
+  const void* q_norm;        // [D] each, or both null: each query and key head is RMS-normalised
+  const void* k_norm;        //   before it is rotated (weights of qkv's dtype, or float32 as RmsNormParams)
+  bool norm_fp32;
+  float eps;
   int64_t num_tokens;
   int num_q_heads, num_kv_heads, head_dim, block_size;
   DType dtype;
@@ -45,11 +55,13 @@ struct RopeKvParams {
 
 struct GemvParams {
   void* y;                   // [rows, n] contiguous
-  const void* x;             // [rows, k] (or [rows, 2 k]: gate then up, with silu_mul), row stride x_stride
+  const void* x;             // [rows, k] (or [rows, 2 k]: gate then up, when gated), row stride x_stride
   int64_t x_stride;
   const void* w;             // [n, k] contiguous (an nn.Linear weight)
+  const void* bias;          // [n] or null
   int rows, n, k;            // rows <= kGemvMaxRows, k a multiple of 8, rows * k * 2 <= kGemvMaxSmemBytes
-  bool silu_mul;             // x holds [gate | up]: the input row is silu(gate) * up, rounded as silu_and_mul
+  bool gated;                // x holds [gate | up]: the input row is act(gate) * up, rounded as silu_and_mul
+  GatedAct act;
   DType dtype;
 };
 

@@ -20,7 +20,7 @@ class EngineConfig:
     max_waiting_tokens: int = 4_000_000      # queue bound in prompt + max_new tokens
     cuda_graphs: bool = True
     prefix_caching: bool = True              # full KV blocks of earlier requests serve later ones
-    fused_layers: bool = True                # Llama models run models.FusedLlama (else transformers' layers)
+    fused_layers: bool = True                # models.FusedDecoder where it serves the model (else transformers' layers)
     cpu_weights: str = "auto"                # CPU: a GGUF's own quantised weights (auto, quantized) or float
     graph_buckets: tuple[int, ...] | None = None   # decode batch sizes captured; None: 1, 2, 4, ... max_batch
     # Whole prompts, up to prefill_graph_max_seqs of them and these many tokens in all, are

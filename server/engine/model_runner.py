@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 import kernels
-from models import (AttentionBatch, FusedLlama, cpu_forward, LoadedModel, forward_logits, fused_unsupported_reason,
-                    head_dim_of, layer_windows)
+from models import (AttentionBatch, FusedDecoder, LoadedModel, cpu_forward, cpu_unsupported_reason, forward_logits,
+                    fused_unsupported_reason, head_dim_of, layer_windows)
 
 from .config import EngineConfig
 from .graphs import capture_graphs
@@ -79,21 +79,22 @@ class ModelRunner:
     def _pick_forward(self, config: EngineConfig):
         reason = fused_unsupported_reason(self.model) if config.fused_layers else "turned off"
         if self.device.type == "cpu":
-            if reason is None:
+            cpu_reason = reason or cpu_unsupported_reason(self.model)
+            if cpu_reason is None:
                 step = cpu_forward(self.model, self.gguf_path, config.cpu_weights, self.max_model_len)
                 log.info("CPU weights: %s", step.describe)
                 return step
             if config.cpu_weights == "quantized":
-                raise ValueError(f"cpu_weights 'quantized' needs a Llama-family model the CPU step runs: {reason}")
+                raise ValueError(f"cpu_weights 'quantized' needs a Llama-family model the CPU step runs: {cpu_reason}")
         elif config.cpu_weights == "quantized":
             raise ValueError(f"cpu_weights 'quantized' runs on the CPU, not on {self.device}")
         if reason is None:
             try:
-                fused = FusedLlama(self.model, self.max_model_len)
+                fused = FusedDecoder(self.model, self.max_model_len)
             except ValueError as e:
                 reason = str(e)
             else:
-                log.info("decoder layers run fused: 10 launches per layer")
+                log.info("decoder layers run fused (%s)", fused.describe)
                 return fused
         log.info("decoder layers run through transformers' modules (%s)", reason)
         return functools.partial(forward_logits, self.model)

@@ -2,7 +2,11 @@
 # Everything that needs the GPU, in one command, logs under $OUT and a short table last.
 #
 #   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench]
-#       [http] [prefix] [window]
+#       [http] [prefix] [window] [arch-tests] [arch]
+#
+# arch-tests: the GPU tests of the small architectures' presets (fused and transformers' layers
+# against fp32) and of the layer ops they use. arch: load_tests.arch_bench over every preset
+# (ARCH_PRESETS narrows it), B = 1 and 64, prompt 128, 256 new tokens; its table last.
 #
 # HTTP_WORKER_COUNTS="1 4" runs the HTTP load test once per API worker count (default: the server's auto).
 # (Not API_WORKERS: the server reads that one itself.) LOADGEN_WORKERS: client processes (default 8;
@@ -20,7 +24,7 @@ if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix window}
+stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix window arch-tests arch}
 want() { [[ " $stages " == *" $1 "* ]]; }
 summary=()
 t0=$(date +%s)
@@ -32,7 +36,7 @@ python3 -c "from kernels import ops; ops.load()" 2>&1 | tail -5 | tee "$OUT/buil
 
 if want tests; then
   stamp "GPU tests"
-  timeout 360 python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu} -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout 360 python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu} -k "not test_architecture_" -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
   summary+=("gpu tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/gpu_tests.log" | tail -1)")
 fi
 if want profile; then
@@ -81,6 +85,19 @@ if want window; then
   timeout 300 python3 -m kernels.bench --out "$OUT/window" --shapes 4/1/256 9/3/64 --batches 1 8 64 \
       --lengths 4096 32768 --window 512 2>&1 | tee "$OUT/window_bench.log" | tail -30
   summary+=("window bench ($OUT/window/bench.json):" "$(grep '^|' "$OUT/window_bench.log")")
+fi
+if want arch-tests; then
+  stamp "architecture GPU tests"
+  timeout 480 python3 -m pytest -q -s -m gpu -p no:cacheprovider -rs \
+      "tests/gpu/test_engine_cuda.py::test_architecture_teacher_forced_logits_within_bf16_error_of_transformers" \
+      tests/gpu/test_layer_ops_cuda.py 2>&1 | tee "$OUT/arch_tests.log" | grep -E "ours|FAILED|Error|passed|failed" | tail -40
+  summary+=("arch tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/arch_tests.log" | tail -1)")
+fi
+if want arch; then
+  stamp "architecture benchmark (load_tests.arch_bench)"
+  timeout 560 python3 -m load_tests.arch_bench --device cuda ${ARCH_PRESETS:+--presets $ARCH_PRESETS} \
+      --out "$OUT/arch" 2>&1 | tee "$OUT/arch_bench.log" | grep -v '^{' | grep -vE '^[0-9]{4}-' | tail -30
+  summary+=("arch benchmark: $OUT/arch/arch_bench.md")
 fi
 stamp "done"
 printf '%s\n' "${summary[@]}"

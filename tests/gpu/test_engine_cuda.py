@@ -6,13 +6,14 @@ import random
 import pytest
 import torch
 
-from models import load_model
+from models import FusedDecoder, load_model
+from models.presets import ARCHITECTURES
 from server.engine import Engine, EngineConfig, SamplingParams
 from server.engine.block_manager import BlockManager
 from server.engine.model_runner import ModelRunner
 from server.engine.sequence import Sequence
 
-from ..helpers import run_all, tokens_under
+from ..helpers import perturb_small_tensors, run_all, tokens_under
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -22,6 +23,7 @@ pytestmark = [pytest.mark.gpu,
 def teacher_forced_logits(loaded, prompt, continuation, cuda_graphs, fused=True):
     runner = ModelRunner(loaded, EngineConfig(max_batch=4, num_blocks=64, block_size=32, cuda_graphs=cuda_graphs,
                                               graph_buckets=(1, 4), fused_layers=fused), max_model_len=1024)
+    assert isinstance(runner.forward, FusedDecoder) == fused, f"fused={fused} but the runner runs {runner.forward}"
     blocks = BlockManager(runner.num_blocks, runner.block_size)
     seq = Sequence("tf", prompt, SamplingParams(), seed=0)
     blocks.grow(seq.block_table, seq.length)
@@ -35,6 +37,7 @@ def teacher_forced_after_a_cached_prefix(loaded, prompt, continuation, fused=Tru
     runner = ModelRunner(loaded, EngineConfig(max_batch=4, num_blocks=64, block_size=32, graph_buckets=(1, 4),
                                               fused_layers=fused, prefill_graph_buckets=None if prefill_graphs else ()),
                          max_model_len=1024)
+    assert isinstance(runner.forward, FusedDecoder) == fused, f"fused={fused} but the runner runs {runner.forward}"
     blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching=True)
     earlier = Sequence("earlier", prompt[:-20] + [7] * 20, SamplingParams(), seed=0)
     blocks.grow(earlier.block_table, earlier.length)
@@ -70,9 +73,25 @@ def test_teacher_forced_logits_within_bf16_error_of_transformers(preset, fused):
     """Tolerance: our bf16 error against an fp32 run of the same weights may be at most 3x the
     error of transformers' own bf16 SDPA run against that fp32 run (FlashAttention's criterion:
     both sides round the same bf16 weights and activations; only the attention differs)."""
+    check_teacher_forced_within_bf16_error(load_model(f"random:{preset}", dtype="bfloat16", device="cuda"),
+                                           fused, prompt_len=300)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "transformers-layers"])
+@pytest.mark.parametrize("preset", ARCHITECTURES)
+@torch.inference_mode()
+def test_architecture_teacher_forced_logits_within_bf16_error_of_transformers(preset, fused):
+    """Each small architecture at its full size, norm weights and biases randomised (so a lost
+    bias or a wrong norm offset shows), a 600-token prompt (past Gemma 3's 512-token window):
+    the tolerance above. The fused runs must really run fused: the runner's pick is checked."""
     loaded = load_model(f"random:{preset}", dtype="bfloat16", device="cuda")
+    perturb_small_tensors(loaded.model, seed=random.randrange(1 << 30))
+    check_teacher_forced_within_bf16_error(loaded, fused, prompt_len=600)
+
+
+def check_teacher_forced_within_bf16_error(loaded, fused, prompt_len):
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
-    prompt = torch.randint(10, 40000, (300,), generator=gen).tolist()
+    prompt = torch.randint(10, 40000, (prompt_len,), generator=gen).tolist()
     continuation = torch.randint(10, 40000, (64,), generator=gen).tolist()
     full = torch.tensor([prompt + continuation], device="cuda")
 
@@ -93,10 +112,12 @@ def test_teacher_forced_logits_within_bf16_error_of_transformers(preset, fused):
             loaded, prompt, continuation, fused=fused, prefill_graphs=graphs)
     for name, ours in runs.items():
         our_err = (ours.double() - exact).abs().max().item()
-        print(f"{preset} fused={fused} {name}: ours {our_err:.3e}, transformers bf16 {their_err:.3e}, "
+        print(f"{loaded.name} fused={fused} {name}: ours {our_err:.3e}, transformers bf16 {their_err:.3e}, "
               f"|logits| {exact.abs().max():.3e}")
-        assert torch.isfinite(ours).all()
-        assert our_err <= 3 * their_err + 1e-6, name
+        assert torch.isfinite(ours).all(), f"{loaded.name} fused={fused} {name}: non-finite logits"
+        assert our_err <= 3 * their_err + 1e-6, (
+            f"{loaded.name} fused={fused} {name}: max |logit error| {our_err:.3e} against fp32, more than 3x "
+            f"transformers' bf16 error {their_err:.3e}")
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["one-by-one", "packed"])

@@ -1,5 +1,6 @@
-"""The per-layer CUDA ops (RMSNorm, add + RMSNorm, SiLU-and-multiply, rotary embedding with the
-KV-cache write) against float64 (GPU only).
+"""The per-layer CUDA ops (RMSNorm with Llama's and Gemma's rounding, add + RMSNorm, the gated
+activations, rotary embedding with the per-head q/k norms and the KV-cache write, the GEMV with
+its bias and gated input) against float64 (GPU only).
 
 Criterion as for attention: the kernel's max error against float64 is at most twice that of the
 same computation done by PyTorch in the low precision (plus one ulp of slack for the final
@@ -153,6 +154,110 @@ def test_gemv_with_silu_and_mul_input(rows, n, k, dtype):
     theirs = torch.nn.functional.linear(layer_ops.silu_and_mul(gate_up), w)
     check(torch.ops.flashdecode.gemv(gate_up, w, True), theirs, exact, dtype)
 
+
+
+def gelu_tanh64(x):
+    return 0.5 * x * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (x + 0.044715 * x ** 3)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 2048), (100, 2048), (3, 6912)])
+def test_gelu_tanh_and_mul(rows, inter, dtype):
+    x = torch.randn(rows, 2 * inter, device=DEVICE, dtype=dtype) * 4
+    gate, up = x.double().chunk(2, dim=-1)
+    ours = layer_ops.act_and_mul(x, "gelu_pytorch_tanh")
+    theirs = layer_ops.act_and_mul(x.cpu(), "gelu_pytorch_tanh").to(DEVICE)
+    check(ours, theirs, gelu_tanh64(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("n,k", [(640, 2048), (896, 4864)])
+def test_gemv_with_gelu_tanh_and_mul_input(rows, n, k, dtype):
+    gate_up = torch.randn(rows, 2 * k, device=DEVICE, dtype=dtype) * 2
+    w = torch.randn(n, k, device=DEVICE, dtype=dtype) / k ** 0.5
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    exact = (gelu_tanh64(gate) * up) @ w.double().T
+    theirs = torch.nn.functional.linear(layer_ops.act_and_mul(gate_up, "gelu_pytorch_tanh"), w)
+    ours = torch.ops.flashdecode.gemv(gate_up, w, True, None, 1)
+    check(ours, theirs, exact, dtype)
+    assert torch.equal(layer_ops.act_mul_linear(gate_up, w, "gelu_pytorch_tanh"), ours)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 16])
+@pytest.mark.parametrize("n,k", [(1152, 896), (100, 40)])
+def test_linear_with_bias(rows, n, k, dtype):
+    """Qwen2's q/k/v bias: in the GEMV's epilogue for a few rows, cuBLAS's for more."""
+    x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
+    w = torch.randn(n, k, device=DEVICE, dtype=dtype) / k ** 0.5
+    bias = torch.randn(n, device=DEVICE, dtype=dtype)
+    exact = x.double() @ w.double().T + bias.double()
+    check(layer_ops.linear(x, w, bias), torch.nn.functional.linear(x, w, bias), exact, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 640), (64, 640), (5, 1152)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_with_float32_weight_rounds_once(rows, hidden, residual, dtype):
+    """Gemma's norms: the folded ``1 + w`` kept in float32, scaled in float32 and rounded once, as
+    Gemma3RMSNorm does; against float64 and against that module's arithmetic."""
+    x = torch.randn(rows, hidden, device=DEVICE, dtype=dtype) * 3
+    res = torch.randn(rows, hidden, device=DEVICE, dtype=dtype)
+    weight = 1 + torch.randn(hidden, device=DEVICE, dtype=torch.float32) * 0.3
+    summed = res + x if residual else x
+    exact = rms_norm64(summed, weight, 1e-6)
+    h = summed.float()
+    theirs = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight).to(dtype)
+    if residual:
+        ours, res_ours = x.clone(), res.clone()
+        layer_ops.add_rms_norm(ours, res_ours, weight, 1e-6)
+        assert torch.equal(res_ours, summed)
+    else:
+        ours = layer_ops.rms_norm(x, weight, 1e-6)
+    check(ours, theirs, exact, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_dtype", ["model", "float32"], ids=["qwen3-norm", "gemma3-norm"])
+@pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (4, 1, 256), (14, 2, 64)])
+def test_rope_write_kv_with_head_norms(hq, hkv, d, dtype, norm_dtype):
+    """Qwen3's and Gemma 3's per-head q/k RMSNorm, fused in front of the rotation: against
+    float64 and against transformers' order (norm in the low precision, then the rotation)."""
+    tokens, block_size, num_blocks, max_positions, eps = 21, 16, 4, 4096, 1e-6
+    table64 = rotary_table(max_positions, d)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, device=DEVICE, dtype=dtype) * 3
+    weight_dtype = dtype if norm_dtype == "model" else torch.float32
+    q_norm = torch.randn(d, device=DEVICE, dtype=weight_dtype)
+    k_norm = torch.randn(d, device=DEVICE, dtype=weight_dtype)
+    positions = torch.randint(0, max_positions, (tokens,), device=DEVICE, dtype=torch.int32)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:tokens].to(torch.int32)
+    k_cache = torch.full((num_blocks, hkv, block_size, d), float("nan"), device=DEVICE, dtype=dtype)
+    v_cache = k_cache.clone()
+
+    heads = qkv.double().unflatten(1, (-1, d))
+    normed = torch.cat([rms_norm64(heads[:, :hq], q_norm, eps), rms_norm64(heads[:, hq:hq + hkv], k_norm, eps)], 1)
+    cs = table64.to(DEVICE)[positions.long()].unsqueeze(1)
+    half = d // 2
+    x1, x2 = normed[..., :half], normed[..., half:]
+    exact = torch.cat([x1 * cs[..., :half] - x2 * cs[..., half:], x2 * cs[..., :half] + x1 * cs[..., half:]], -1)
+
+    low = qkv.unflatten(1, (-1, d))
+    low = torch.cat([layer_ops._rms_norm_torch(low[:, :hq], q_norm, eps),
+                     layer_ops._rms_norm_torch(low[:, hq:hq + hkv], k_norm, eps)], 1)
+    cos = cs[..., :half].repeat(1, 1, 2).to(dtype)
+    sin = cs[..., half:].repeat(1, 1, 2).to(dtype)
+    theirs = low * cos + torch.cat([-low[..., half:], low[..., :half]], dim=-1) * sin
+
+    ours = qkv.clone()
+    layer_ops.rope_write_kv(ours, positions, table64.float().to(DEVICE), k_cache, v_cache, slots, hq,
+                            q_norm=q_norm, k_norm=k_norm, eps=eps)
+    ours_heads = ours.unflatten(1, (-1, d))
+    check(ours_heads[:, :hq + hkv], theirs, exact, dtype)
+    assert torch.equal(ours_heads[:, hq + hkv:], qkv.unflatten(1, (-1, d))[:, hq + hkv:])   # values untouched
+    s = slots.long()
+    assert torch.equal(k_cache[s // block_size, :, s % block_size], ours_heads[:, hq:hq + hkv])
+    assert torch.equal(v_cache[s // block_size, :, s % block_size], ours_heads[:, hq + hkv:])
 
 RAW_OP_ERRORS = {
     "flash-decode-head-dim-96": ("q = torch.randn(1, 4, 96, device='cuda', dtype=torch.bfloat16)\n"
