@@ -33,6 +33,7 @@ from server.engine import EngineConfig, EngineCore, SamplingParams, TokenEvent  
 from server.engine.threads import configure_cpu_threads  # noqa: E402
 
 WORKER = Path(__file__).with_name("llama_cpp_worker.py")
+LLAMA_COUNTERS = "llama_cpp (its perf counters)"   # the time inside llama.cpp's decode calls
 
 
 def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
@@ -111,11 +112,23 @@ class LlamaCpp:
         self.proc.stdin.write(json.dumps({"prompt": prompt, "new_tokens": new_tokens}) + "\n")
         self.proc.stdin.flush()
         answer = self._read()
+        if answer["prompt_eval_tokens"] != len(prompt) or answer["eval_tokens"] != new_tokens - 1:
+            raise RuntimeError(f"llama.cpp counted {answer['prompt_eval_tokens']} prompt and {answer['eval_tokens']} "
+                               f"decode tokens, not {len(prompt)} and {new_tokens - 1}")
+        self.counters = answer["prompt_eval_ms"] / 1e3, answer["eval_ms"] / 1e3
         return answer["first_s"], answer["rest_s"], answer["tokens"]
 
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
+
+
+def llama_bench(binary: str, gguf: Path, threads: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
+    """llama.cpp's own benchmark binary on the same file: prefill (pp) and decode (tg) tokens/s."""
+    out = subprocess.run([binary, "-m", str(gguf), "-p", str(prompt_len), "-n", str(new_tokens), "-t", str(threads),
+                          "-r", str(repeats), "-o", "json"], check=True, capture_output=True, text=True).stdout
+    rows = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in json.loads(out)}
+    return {"llama-bench": {"prefill_tok_per_s": rows["pp"], "decode_tok_per_s": rows["tg"]}}
 
 
 def rates(prefill_s: float, decode_s: float, prompt_len: int, new_tokens: int) -> dict:
@@ -145,6 +158,7 @@ def main(argv=None):
                     choices=["ours_quantized", "ours_float", "hf_generate", "llama_cpp"])
     ap.add_argument("--llama-python", default=None,
                     help="Python of an environment with llama-cpp-python (without it llama.cpp is left out)")
+    ap.add_argument("--llama-bench", default=None, help="a llama-bench binary of llama.cpp, run on the same file too")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.new_tokens < 2:
@@ -179,12 +193,20 @@ def main(argv=None):
             prefill_s, decode_s, tokens[name] = fn(prompt, args.new_tokens)
             runs[name].append({"prefill_s": prefill_s, "decode_s": decode_s,
                                **rates(prefill_s, decode_s, args.prompt_len, args.new_tokens)})
+            if isinstance(fn, LlamaCpp):                                    # its own counters, as llama-bench
+                prefill_s, decode_s = fn.counters
+                runs.setdefault(LLAMA_COUNTERS, []).append(
+                    {"prefill_s": prefill_s, "decode_s": decode_s,
+                     **rates(prefill_s, decode_s, args.prompt_len, args.new_tokens)})
     for fn in runners.values():
         if isinstance(fn, LlamaCpp):
             fn.close()
     summary = {name: rates(statistics.median(r["prefill_s"] for r in rs), statistics.median(r["decode_s"] for r in rs),
                            args.prompt_len, args.new_tokens) for name, rs in runs.items()}
-    baseline = "llama_cpp" if "llama_cpp" in summary else None
+    if args.llama_bench:
+        summary.update(llama_bench(args.llama_bench, loaded.gguf_path, threads, args.prompt_len, args.new_tokens,
+                                   args.repeats))
+    baseline = next((name for name in (LLAMA_COUNTERS, "llama_cpp") if name in summary), None)
     same = {name: sum(a == b for a, b in zip(tokens[name], tokens.get("ours_quantized", [])))
             for name in tokens}
     result = {"model": str(loaded.gguf_path.name), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,

@@ -80,19 +80,23 @@ def attention64(q, k, v, lens):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("lens", [[1], [16], [17], [5, 48, 33], [64, 2, 16]])
-def test_split_kv_decode_matches_float64_softmax(lens):
-    g = torch.Generator().manual_seed(len(lens) * 100 + lens[0])
+@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffled", "in-order"])
+@pytest.mark.parametrize("lens", [[1], [16], [17], [40], [5, 48, 33], [64, 2, 16]])
+def test_split_kv_decode_matches_float64_softmax(lens, shuffle):
+    g = torch.Generator().manual_seed(len(lens) * 100 + lens[0] + shuffle)
     batch, hq, hkv, d, bs = len(lens), 9, 3, 64, 16
     width = max(lens)
     k = torch.randn(batch, hkv, width, d, generator=g, dtype=torch.float64) * 2
     v = torch.randn(batch, hkv, width, d, generator=g, dtype=torch.float64)
     q = torch.randn(batch, hq, d, generator=g, dtype=torch.float64) * 2
-    k_cache, v_cache, table = kernels.pack_paged(k, v, bs, generator=g)
+    k_cache, v_cache, table = kernels.pack_paged(k, v, bs, shuffle=shuffle, generator=g)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     last = seq_lens.long() - 1
     slots = (table[torch.arange(batch), last // bs].long() * bs + last % bs).to(torch.int32)
     plan = DecodePlan.make(table, seq_lens, slots, bs)
+    row = table[0].tolist()
+    in_place = batch == 1 and row == list(range(row[0], row[0] + len(row)))    # one sequence, blocks in order
+    assert (plan.first_block is not None) == in_place, (plan.first_block, table)
     # the step's new token goes through write_new_kv, as in the model
     new_k, new_v = k[torch.arange(batch), :, last], v[torch.arange(batch), :, last]
     k_cache[plan.slot_blocks, :, plan.slot_rows] = 0
