@@ -10,6 +10,7 @@ dot products over the same permutation of query and key, so the model computed i
 """
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +26,14 @@ from .quantized import ACT_DTYPE, DenseLinear, GgufTensor, Int4Linear, Quantized
 log = logging.getLogger(__name__)
 
 CPU_WEIGHTS = ("auto", "quantized", "float")
-# A decode step's matmuls with at least this many bytes of weights run on every intra-op thread,
-# the rest on one (measured: docs/cpu.md, Threads)
-PARALLEL_BYTES = 4 << 20
+
+
+def decode_parallel_bytes() -> int:
+    """A decode step's matmuls with at least this many bytes of weights run on every intra-op
+    thread, its other ops on one. Where idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE) each
+    parallel region pays for waking them, more than a small op gains: only the LM head. Where
+    they spin (ACTIVE), every matmul (docs/cpu.md, Threads)."""
+    return 0 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE" else 4 << 20
 
 
 def interleave_rows(num_heads: int, head_dim: int) -> np.ndarray:
@@ -53,7 +59,7 @@ class CpuLlama:
         self.rotary = torch.complex(cos, sin)                  # [max_positions, D/2]
         # a decode step folds the attention scale into the query heads' rotation (exact for D = 64)
         self.qk_scale = torch.tensor([self.scale] * self.num_q_heads + [1.0] * self.num_kv_heads).view(-1, 1)
-        self.parallel_bytes = PARALLEL_BYTES
+        self.parallel_bytes = decode_parallel_bytes()
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
@@ -136,13 +142,10 @@ class _Rows:
     def __init__(self, parts):
         self.parts = parts
         self.act_dtype = parts[0].act_dtype
+        self.nbytes = sum(p.nbytes for p in parts)
 
     def __call__(self, x):
         return torch.cat([p(x) for p in self.parts], dim=-1)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
 
 
 def _fused_linear(tensors: list[GgufTensor]):

@@ -9,7 +9,7 @@ from gguf.quants import quantize
 
 import kernels
 from models.cpu_attention import DecodePlan, split_kv_decode, write_new_kv
-from models.cpu_llama import cpu_forward, interleave_rows
+from models.cpu_llama import cpu_forward, decode_parallel_bytes, interleave_rows
 from models.quantized import GgufTensor, Int4Linear, QuantizedEmbedding, linear_from_gguf
 from server.cli import engine_options, parse_args
 
@@ -127,3 +127,13 @@ def test_cli_passes_cpu_weights():
     assert "cpu_weights" not in engine_options(parse_args([]))
     with pytest.raises(SystemExit):
         parse_args(["--cpu-weights", "int3"])
+
+
+@pytest.mark.parametrize("policy, wide", [("PASSIVE", 4 << 20), ("active", 0), (None, 4 << 20)])
+def test_decode_matmuls_on_all_threads_only_where_it_pays(monkeypatch, policy, wide):
+    # a sleeping pool's wake-up outweighs a small matmul's second thread; a spinning one's does not
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    assert decode_parallel_bytes() == wide
