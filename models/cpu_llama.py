@@ -32,8 +32,8 @@ def decode_parallel_bytes() -> int:
     """A decode step's matmuls with at least this many bytes of weights run on every intra-op
     thread, its other ops on one. Where idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE) each
     parallel region pays for waking them, more than a small op gains: only the LM head. Where
-    they spin (ACTIVE), every matmul (docs/cpu.md, Threads)."""
-    return 0 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE" else 4 << 20
+    they spin (ACTIVE, or OpenMP's default: a few ms), every matmul (docs/cpu.md, Threads)."""
+    return 4 << 20 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 0
 
 
 def interleave_rows(num_heads: int, head_dim: int) -> np.ndarray:

@@ -129,7 +129,7 @@ def test_cli_passes_cpu_weights():
         parse_args(["--cpu-weights", "int3"])
 
 
-@pytest.mark.parametrize("policy, wide", [("PASSIVE", 4 << 20), ("active", 0), (None, 4 << 20)])
+@pytest.mark.parametrize("policy, wide", [("PASSIVE", 4 << 20), ("active", 0), (None, 0)])
 def test_decode_matmuls_on_all_threads_only_where_it_pays(monkeypatch, policy, wide):
     # a sleeping pool's wake-up outweighs a small matmul's second thread; a spinning one's does not
     if policy is None:
