@@ -246,7 +246,8 @@ def main(argv=None):
     baseline = next((name for name in (LLAMA_COUNTERS, "llama_cpp") if name in summary), None)
     same = {name: common_prefix(tokens[name], tokens.get("ours_quantized", [])) for name in tokens}
     result = {"model": str(loaded.gguf_path.name), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-              "batch": 1, "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "repeats": args.repeats, "torch": torch.__version__,
+              "batch": 1, "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+              "workers_omp_wait_policy": "OpenMP's default (ours_quantized_spinning, llama_cpp, llama-bench)", "repeats": args.repeats, "torch": torch.__version__,
               "llama_cpp": next((fn.version for fn in runners.values() if isinstance(fn, LlamaCpp)), None),
               "cpu": _cpu_name(), "summary": summary, "runs": runs,
               "greedy_prefix_same_as_ours_quantized": same}
