@@ -37,7 +37,8 @@ $(LLAMA_STAMP):
 # Ours (quantised and float weights), transformers' generate and, with LLAMA_CPP=1, llama.cpp.
 bench-cpu: $(STAMP) $(if $(filter 1,$(LLAMA_CPP)),$(LLAMA_STAMP))
 	$(PY) -m load_tests.cpu_bench --repeats 3 --out results/cpu_bench.json \
-		$(if $(filter 1,$(LLAMA_CPP)),--llama-python $(LLAMA_VENV)/bin/python)
+		$(if $(filter 1,$(LLAMA_CPP)),--llama-python $(LLAMA_VENV)/bin/python) \
+		$(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH))
 
 clean:
 	rm -rf $(VENV) .cache

@@ -8,6 +8,11 @@ alike; medians over the runs are reported. Ours runs on the file's quantised wei
 its float (dequantised) weights; transformers on the dequantised float32 weights; llama.cpp
 (``--llama-python``, the Python of an environment with llama-cpp-python, ``make bench-cpu
 LLAMA_CPP=1``) in a worker process on the file itself. Every runner uses the same threads.
+OpenMP's wait policy: ours as the server runs it (passive: idle threads sleep) and, in a worker
+process, with OpenMP's default (threads spin a few ms before sleeping), which is how llama.cpp
+runs (its worker and ``--llama-bench`` get that default too). llama.cpp's own counters
+(``llama_perf_context``: the time inside its decode calls, as ``llama-bench`` counts) are a row
+of their own and the baseline of the ratios.
 
     python -m load_tests.cpu_bench --repeats 3 --out results/cpu_bench.json
     python -m load_tests.cpu_bench --llama-python .cache/llama-venv/bin/python
@@ -33,6 +38,7 @@ from server.engine import EngineConfig, EngineCore, SamplingParams, TokenEvent  
 from server.engine.threads import configure_cpu_threads  # noqa: E402
 
 WORKER = Path(__file__).with_name("llama_cpp_worker.py")
+LLAMA_COUNTERS = "llama_cpp (its perf counters)"   # the time inside llama.cpp's decode calls
 
 
 def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
@@ -95,27 +101,66 @@ class HfGenerate:
         return stamps.times[1] - started, stamps.times[-1] - stamps.times[1], generated
 
 
-class LlamaCpp:
-    def __init__(self, python: str, gguf: Path, threads: int):
-        self.proc = subprocess.Popen([python, str(WORKER), str(gguf), str(threads)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+class Worker:
+    """A runner in a process of its own, ``python ...`` speaking one JSON line each way."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     cwd=Path(__file__).parent.parent)
         self.version = self._read()["version"]
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the llama.cpp worker exited ({self.proc.wait()})")
+            raise RuntimeError(f"the worker {self.proc.args} exited ({self.proc.wait()})")
         return json.loads(line)
 
-    def __call__(self, prompt, new_tokens):
+    def ask(self, prompt, new_tokens) -> dict:
         self.proc.stdin.write(json.dumps({"prompt": prompt, "new_tokens": new_tokens}) + "\n")
         self.proc.stdin.flush()
-        answer = self._read()
+        return self._read()
+
+    def __call__(self, prompt, new_tokens):
+        answer = self.ask(prompt, new_tokens)
         return answer["first_s"], answer["rest_s"], answer["tokens"]
 
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
+
+
+def default_openmp_env() -> dict[str, str]:
+    """This environment without our OpenMP wait policy: OpenMP's default (threads spin a few ms
+    at each wait, then sleep), as llama.cpp and its llama-bench run. llama.cpp's CPU backend
+    (built with OpenMP) waits at an OpenMP barrier after every op of its graph, so a passive
+    pool costs it a wake-up per op."""
+    return {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+
+
+class LlamaCpp(Worker):
+    def __init__(self, python: str, gguf: Path, threads: int):
+        super().__init__([python, str(WORKER), str(gguf), str(threads)], default_openmp_env())
+
+    def __call__(self, prompt, new_tokens):
+        answer = self.ask(prompt, new_tokens)
+        if answer["prompt_eval_tokens"] != len(prompt) or answer["eval_tokens"] != new_tokens - 1:
+            raise RuntimeError(f"llama.cpp counted {answer['prompt_eval_tokens']} prompt and {answer['eval_tokens']} "
+                               f"decode tokens, not {len(prompt)} and {new_tokens - 1}")
+        self.counters = answer["prompt_eval_ms"] / 1e3, answer["eval_ms"] / 1e3
+        return answer["first_s"], answer["rest_s"], answer["tokens"]
+
+
+def llama_bench(binary: str, gguf: Path, threads: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
+    """llama.cpp's own benchmark binary on the same file: prefill (pp) and decode (tg) tokens/s."""
+    out = subprocess.run([binary, "-m", str(gguf), "-p", str(prompt_len), "-n", str(new_tokens), "-t", str(threads),
+                          "-r", str(repeats), "-o", "json"], check=True, capture_output=True, text=True).stdout
+    rows = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in json.loads(out)}
+    return {"llama-bench": {"prefill_tok_per_s": rows["pp"], "decode_tok_per_s": rows["tg"]}}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Leading greedy tokens two runners agree on (after one differs, the continuations do too)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def rates(prefill_s: float, decode_s: float, prompt_len: int, new_tokens: int) -> dict:
@@ -141,10 +186,12 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--runners", nargs="+", default=["ours_quantized", "ours_float", "hf_generate", "llama_cpp"],
-                    choices=["ours_quantized", "ours_float", "hf_generate", "llama_cpp"])
+    ap.add_argument("--runners", nargs="+",
+                    default=["ours_quantized", "ours_quantized_spinning", "ours_float", "hf_generate", "llama_cpp"],
+                    choices=["ours_quantized", "ours_quantized_spinning", "ours_float", "hf_generate", "llama_cpp"])
     ap.add_argument("--llama-python", default=None,
                     help="Python of an environment with llama-cpp-python (without it llama.cpp is left out)")
+    ap.add_argument("--llama-bench", default=None, help="a llama-bench binary of llama.cpp, run on the same file too")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.new_tokens < 2:
@@ -159,6 +206,10 @@ def main(argv=None):
     for name in args.runners:
         if name == "ours_quantized":
             runners[name] = Ours(loaded, "quantized", max_len)
+        elif name == "ours_quantized_spinning":                           # OpenMP's default wait, as llama.cpp
+            runners[name] = Worker([sys.executable, "-m", "load_tests.ours_worker", args.model, "quantized",
+                                    str(max_len)],
+                                   default_openmp_env())
         elif name == "ours_float":
             runners[name] = Ours(loaded, "float", max_len)
         elif name == "hf_generate":
@@ -179,22 +230,30 @@ def main(argv=None):
             prefill_s, decode_s, tokens[name] = fn(prompt, args.new_tokens)
             runs[name].append({"prefill_s": prefill_s, "decode_s": decode_s,
                                **rates(prefill_s, decode_s, args.prompt_len, args.new_tokens)})
+            if isinstance(fn, LlamaCpp):                                    # its own counters, as llama-bench
+                prefill_s, decode_s = fn.counters
+                runs.setdefault(LLAMA_COUNTERS, []).append(
+                    {"prefill_s": prefill_s, "decode_s": decode_s,
+                     **rates(prefill_s, decode_s, args.prompt_len, args.new_tokens)})
     for fn in runners.values():
-        if isinstance(fn, LlamaCpp):
+        if isinstance(fn, Worker):
             fn.close()
     summary = {name: rates(statistics.median(r["prefill_s"] for r in rs), statistics.median(r["decode_s"] for r in rs),
                            args.prompt_len, args.new_tokens) for name, rs in runs.items()}
-    baseline = "llama_cpp" if "llama_cpp" in summary else None
-    same = {name: sum(a == b for a, b in zip(tokens[name], tokens.get("ours_quantized", [])))
-            for name in tokens}
+    if args.llama_bench:
+        summary.update(llama_bench(args.llama_bench, loaded.gguf_path, threads, args.prompt_len, args.new_tokens,
+                                   args.repeats))
+    baseline = next((name for name in (LLAMA_COUNTERS, "llama_cpp") if name in summary), None)
+    same = {name: common_prefix(tokens[name], tokens.get("ours_quantized", [])) for name in tokens}
     result = {"model": str(loaded.gguf_path.name), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-              "batch": 1, "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "repeats": args.repeats, "torch": torch.__version__,
+              "batch": 1, "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+              "workers_omp_wait_policy": "OpenMP's default (ours_quantized_spinning, llama_cpp, llama-bench)", "repeats": args.repeats, "torch": torch.__version__,
               "llama_cpp": next((fn.version for fn in runners.values() if isinstance(fn, LlamaCpp)), None),
               "cpu": _cpu_name(), "summary": summary, "runs": runs,
-              "greedy_tokens_same_as_ours_quantized": same}
+              "greedy_prefix_same_as_ours_quantized": same}
     table = markdown(summary, baseline)
     print(table)
-    print(json.dumps({"greedy_tokens_same_as_ours_quantized": same}))
+    print(json.dumps({"greedy_prefix_same_as_ours_quantized": same}))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -22,6 +22,7 @@ class DecodePlan:
     has_empty: bool              # some sequence has fewer than n blocks (an empty split)
     slot_blocks: torch.Tensor    # [B] the new token's block
     slot_rows: torch.Tensor      # [B] and its row in it
+    first_block: int | None = None   # one sequence whose blocks are consecutive from this one: read in place
 
     @classmethod
     def make(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
@@ -40,7 +41,12 @@ class DecodePlan:
             bias = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
             has_empty = bool((seq_lens <= (n - 1) * block_size).any())
         slots = slots.long()
-        return cls(block_ids, bias, has_empty, slots // block_size, slots % block_size)
+        first_block = None
+        if block_tables.shape[0] == 1:
+            first = int(block_ids[0])
+            if n == 1 or bool((block_ids == torch.arange(first, first + n)).all()):
+                first_block = first
+        return cls(block_ids, bias, has_empty, slots // block_size, slots % block_size, first_block)
 
     @classmethod
     def _windowed(cls, block_tables, seq_lens, slots, block_size, window) -> "DecodePlan":
@@ -71,9 +77,15 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     split = (batch, -1, *k_cache.shape[1:])
-    k = k_cache.index_select(0, plan.block_ids).view(split)              # [B, n, Hkv, bs, D]
-    v = v_cache.index_select(0, plan.block_ids).view(split)
-    qg = (q * scale).to(k.dtype).view(batch, 1, num_kv_heads, -1, head_dim)
+    if plan.first_block is not None:
+        k = k_cache[plan.first_block:plan.first_block + plan.block_ids.shape[0]].unsqueeze(0)
+        v = v_cache[plan.first_block:plan.first_block + plan.block_ids.shape[0]].unsqueeze(0)
+    else:
+        k = k_cache.index_select(0, plan.block_ids).view(split)          # [B, n, Hkv, bs, D]
+        v = v_cache.index_select(0, plan.block_ids).view(split)
+    if scale != 1.0:
+        q = q * scale
+    qg = q.to(k.dtype).view(batch, 1, num_kv_heads, -1, head_dim)
     scores = qg @ k.transpose(-1, -2)                                     # [B, n, Hkv, G, bs]
     if plan.bias is not None:
         scores += plan.bias

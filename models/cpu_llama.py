@@ -10,6 +10,7 @@ dot products over the same permutation of query and key, so the model computed i
 """
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,14 @@ from .quantized import ACT_DTYPE, DenseLinear, GgufTensor, Int4Linear, Quantized
 log = logging.getLogger(__name__)
 
 CPU_WEIGHTS = ("auto", "quantized", "float")
+
+
+def decode_parallel_bytes() -> int:
+    """A decode step's matmuls with at least this many bytes of weights run on every intra-op
+    thread, its other ops on one. Where idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE) each
+    parallel region pays for waking them, more than a small op gains: only the LM head. Where
+    they spin (ACTIVE, or OpenMP's default: a few ms), every matmul (docs/cpu.md, Threads)."""
+    return 4 << 20 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 0
 
 
 def interleave_rows(num_heads: int, head_dim: int) -> np.ndarray:
@@ -48,43 +57,70 @@ class CpuLlama:
         half = self.head_dim // 2
         cos, sin = cos[0, :, :half].float(), sin[0, :, :half].float()
         self.rotary = torch.complex(cos, sin)                  # [max_positions, D/2]
+        # a decode step folds the attention scale into the query heads' rotation (exact for D = 64)
+        self.qk_scale = torch.tensor([self.scale] * self.num_q_heads + [1.0] * self.num_kv_heads).view(-1, 1)
+        self.parallel_bytes = decode_parallel_bytes()
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                  logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        threads = torch.get_num_threads()
+        if not batch.is_decode or threads == 1:
+            return self._forward(input_ids, positions, batch, logits_rows, _call)
+        # A decode step's ops are small: each parallel region costs more (waking the pool's idle
+        # threads) than it saves, except in the largest matmuls (docs/cpu.md, Threads).
+        def matmul(linear, x):
+            if linear.nbytes < self.parallel_bytes:
+                return linear(x)
+            torch.set_num_threads(threads)
+            y = linear(x)
+            torch.set_num_threads(1)
+            return y
+        torch.set_num_threads(1)
+        try:
+            return self._forward(input_ids, positions, batch, logits_rows, matmul)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _forward(self, input_ids, positions, batch: AttentionBatch, logits_rows, matmul) -> torch.Tensor:
         ids, positions = input_ids.reshape(-1), positions.reshape(-1)
         tokens = ids.shape[0]
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         kv_dtype = batch.kv_caches[0][0].dtype
+        rotary = self.rotary[positions.long()].unsqueeze(1)                     # [T, 1, D/2]
         plan = None
         if batch.is_decode:
             plan = DecodePlan.make(batch.block_tables, batch.seq_lens, batch.slot_mapping,
                                    batch.kv_caches[0][0].shape[2])
-        rotary = self.rotary[positions.long()].unsqueeze(1)                     # [T, 1, D/2]
+            rotary = rotary * self.qk_scale                                     # q pre-scaled: [T, Hq + Hkv, D/2]
         residual = self.embed(ids).to(kv_dtype)
         for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(self.layers):
             k_cache, v_cache = batch.kv_caches[i]
             x = F.rms_norm(residual, (self.hidden,), norm_in, self.eps)
-            qkv = qkv_proj(x.to(qkv_proj.act_dtype))
+            qkv = matmul(qkv_proj, x.to(qkv_proj.act_dtype))
             qk = torch.view_as_complex(qkv[:, :(hq + hkv) * d].float().view(tokens, hq + hkv, d // 2, 2))
             qk = torch.view_as_real(qk * rotary).view(tokens, hq + hkv, d)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
             if plan is not None:
                 write_new_kv(k_cache, v_cache, k, v, plan)
-                attn = split_kv_decode(q, k_cache, v_cache, plan, self.scale)
+                attn = split_kv_decode(q, k_cache, v_cache, plan, 1.0)
             else:
                 reference_write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
                 attn = prefill_attention(q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype), self.scale, batch,
                                          k_cache, v_cache)
-            residual = residual + o_proj(attn.reshape(tokens, hq * d).to(o_proj.act_dtype))
+            residual = residual + matmul(o_proj, attn.reshape(tokens, hq * d).to(o_proj.act_dtype))
             x = F.rms_norm(residual, (self.hidden,), norm_post, self.eps).to(gate_up_proj.act_dtype)
-            gate, up = gate_up_proj(x).chunk(2, dim=-1)
-            residual = residual + down_proj(F.silu(gate) * up)
+            gate, up = matmul(gate_up_proj, x).chunk(2, dim=-1)
+            residual = residual + matmul(down_proj, F.silu(gate) * up)
         x = F.rms_norm(residual, (self.hidden,), self.final_norm, self.eps)
         if logits_rows is not None:
             x = x[logits_rows]
-        return self.head(x.to(self.head.act_dtype)).float()
+        return matmul(self.head, x.to(self.head.act_dtype)).float()
+
+
+def _call(linear, x):
+    return linear(x)
 
 
 def _act_dtype(linear, dtype):
@@ -106,6 +142,7 @@ class _Rows:
     def __init__(self, parts):
         self.parts = parts
         self.act_dtype = parts[0].act_dtype
+        self.nbytes = sum(p.nbytes for p in parts)
 
     def __call__(self, x):
         return torch.cat([p(x) for p in self.parts], dim=-1)

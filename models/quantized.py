@@ -46,6 +46,7 @@ class Int4Linear:
     def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]], out_features: int, in_features: int):
         self.parts = parts
         self.out_features, self.in_features = out_features, in_features
+        self.nbytes = sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         packed, sz = self.parts[0]
@@ -54,10 +55,6 @@ class Int4Linear:
             y += torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
         return y
 
-    @property
-    def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in self.parts)
-
 
 class DenseLinear:
     """``x @ W.T`` with W dense (a type the int4 kernel cannot hold exactly, or float weights)."""
@@ -65,13 +62,10 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
         self.out_features, self.in_features = weight.shape
+        self.nbytes = weight.numel() * weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
 
 
 @dataclass

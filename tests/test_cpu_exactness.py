@@ -154,3 +154,36 @@ def test_paris(fp32, engines):
     (tokens, text, finish), = run_all(engines["quantized"],
                                       [(chat_ids(fp32.tokenizer, PROMPTS[0]), SamplingParams(max_new_tokens=16))])
     assert "Paris" in text
+
+
+def one_decode_step(step, ids: list[int]) -> torch.Tensor:
+    """Prefill ``ids[:-1]`` into blocks in order (read in place), then decode ``ids[-1]``."""
+    n, block_size = len(ids), 16
+    shape = kernels.cache_shape(-(-n // block_size), step.num_kv_heads, block_size, step.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in step.layers]
+    table = torch.arange(shape[0], dtype=torch.int32).view(1, -1)
+    positions = torch.arange(n, dtype=torch.int32)
+    step(torch.tensor([ids[:-1]], dtype=torch.int32), positions[:-1].view(1, -1),
+         AttentionBatch(caches, positions[:-1], table, torch.tensor([n - 1], dtype=torch.int32), is_decode=False,
+                        query_starts=[0, n - 1], context_lens=[0]))
+    return step(torch.tensor([[ids[-1]]], dtype=torch.int32), positions[-1:].view(1, 1),
+                AttentionBatch(caches, positions[-1:], table, torch.tensor([n], dtype=torch.int32), is_decode=True))
+
+
+def test_decode_step_threads_change_nothing_but_speed(fp32, tokens):
+    step = cpu_forward(fp32.model, fp32.gguf_path, "quantized", 512)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = {}
+        for parallel_bytes in (0, 1 << 62):              # every matmul on both threads / none
+            step.parallel_bytes = parallel_bytes
+            got[parallel_bytes] = one_decode_step(step, tokens[:40])
+            assert torch.get_num_threads() == 2, "the decode step must give the intra-op threads back"
+        torch.set_num_threads(1)
+        got[1] = one_decode_step(step, tokens[:40])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert torch.allclose(got[0], got[1 << 62], atol=1e-3, rtol=0), (got[0] - got[1 << 62]).abs().max()
+    assert torch.allclose(got[0], got[1], atol=1e-3, rtol=0), (got[0] - got[1]).abs().max()

@@ -9,7 +9,7 @@ from gguf.quants import quantize
 
 import kernels
 from models.cpu_attention import DecodePlan, split_kv_decode, write_new_kv
-from models.cpu_llama import cpu_forward, interleave_rows
+from models.cpu_llama import cpu_forward, decode_parallel_bytes, interleave_rows
 from models.quantized import GgufTensor, Int4Linear, QuantizedEmbedding, linear_from_gguf
 from server.cli import engine_options, parse_args
 
@@ -80,19 +80,23 @@ def attention64(q, k, v, lens):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("lens", [[1], [16], [17], [5, 48, 33], [64, 2, 16]])
-def test_split_kv_decode_matches_float64_softmax(lens):
-    g = torch.Generator().manual_seed(len(lens) * 100 + lens[0])
+@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffled", "in-order"])
+@pytest.mark.parametrize("lens", [[1], [16], [17], [40], [5, 48, 33], [64, 2, 16]])
+def test_split_kv_decode_matches_float64_softmax(lens, shuffle):
+    g = torch.Generator().manual_seed(len(lens) * 100 + lens[0] + shuffle)
     batch, hq, hkv, d, bs = len(lens), 9, 3, 64, 16
     width = max(lens)
     k = torch.randn(batch, hkv, width, d, generator=g, dtype=torch.float64) * 2
     v = torch.randn(batch, hkv, width, d, generator=g, dtype=torch.float64)
     q = torch.randn(batch, hq, d, generator=g, dtype=torch.float64) * 2
-    k_cache, v_cache, table = kernels.pack_paged(k, v, bs, generator=g)
+    k_cache, v_cache, table = kernels.pack_paged(k, v, bs, shuffle=shuffle, generator=g)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     last = seq_lens.long() - 1
     slots = (table[torch.arange(batch), last // bs].long() * bs + last % bs).to(torch.int32)
     plan = DecodePlan.make(table, seq_lens, slots, bs)
+    row = table[0].tolist()
+    in_place = batch == 1 and row == list(range(row[0], row[0] + len(row)))    # one sequence, blocks in order
+    assert (plan.first_block is not None) == in_place, (plan.first_block, table)
     # the step's new token goes through write_new_kv, as in the model
     new_k, new_v = k[torch.arange(batch), :, last], v[torch.arange(batch), :, last]
     k_cache[plan.slot_blocks, :, plan.slot_rows] = 0
@@ -123,3 +127,13 @@ def test_cli_passes_cpu_weights():
     assert "cpu_weights" not in engine_options(parse_args([]))
     with pytest.raises(SystemExit):
         parse_args(["--cpu-weights", "int3"])
+
+
+@pytest.mark.parametrize("policy, wide", [("PASSIVE", 4 << 20), ("active", 0), (None, 0)])
+def test_decode_matmuls_on_all_threads_only_where_it_pays(monkeypatch, policy, wide):
+    # a sleeping pool's wake-up outweighs a small matmul's second thread; a spinning one's does not
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    assert decode_parallel_bytes() == wide

@@ -83,6 +83,8 @@ class ModelRunner:
             if cpu_reason is None:
                 step = cpu_forward(self.model, self.gguf_path, config.cpu_weights, self.max_model_len)
                 log.info("CPU weights: %s", step.describe)
+                log.info("CPU decode step: matmuls of at least %.0f MB of weights on every intra-op thread, "
+                         "its other ops on one", step.parallel_bytes / 2 ** 20)
                 return step
             if config.cpu_weights == "quantized":
                 raise ValueError(f"cpu_weights 'quantized' needs a Llama-family model the CPU step runs: {cpu_reason}")
