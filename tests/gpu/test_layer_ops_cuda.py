@@ -181,7 +181,12 @@ def test_gemv_with_gelu_tanh_and_mul_input(rows, n, k, dtype):
     theirs = torch.nn.functional.linear(layer_ops.act_and_mul(gate_up, "gelu_pytorch_tanh"), w)
     ours = torch.ops.flashdecode.gemv(gate_up, w, True, None, 1)
     check(ours, theirs, exact, dtype)
-    assert torch.equal(layer_ops.act_mul_linear(gate_up, w, "gelu_pytorch_tanh"), ours)
+    # the entry point takes our GEMV only for weights it serves (4864 x 896 is past GEMV_MAX_WEIGHT)
+    served = layer_ops.act_mul_linear(gate_up, w, "gelu_pytorch_tanh")
+    if layer_ops._gemv_serves(gate_up, w):
+        assert torch.equal(served, ours)
+    else:
+        check(served, theirs, exact, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
