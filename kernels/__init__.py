@@ -13,7 +13,8 @@ __all__ = ["flash_decode", "write_kv", "reference_decode", "reference_write_kv",
            "cache_shape", "Workspace", "Plan", "split_plan"]
 
 
-def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True):
+def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True,
+                 k_scale=None, v_scale=None):
     """Attention of one new query token per sequence over its paged KV cache.
 
     q [B, Hq, D]; k_cache/v_cache [num_blocks, Hkv, block_size, D] (``paging.py``);
@@ -28,17 +29,22 @@ def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, work
     ``workspace`` (``Workspace``) holds the split buffers and the plan; one planned for other head
     counts, another head_dim or shorter sequences than the block table reaches is refused with a
     ValueError. Without one a default workspace is kept per head layout.
+
+    float8_e4m3fn caches (``kv_quant``) need ``k_scale`` and ``v_scale``, float32 ``[Hkv]`` on the
+    caches' device (a row dequantises as ``code * scale``); other caches refuse them.
     """
     if q.is_cuda:
         from . import ops
         return ops.flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
-                                     workspace=workspace, read_ahead=read_ahead)
-    return reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale=scale, workspace=workspace)
+                                     workspace=workspace, read_ahead=read_ahead, k_scale=k_scale, v_scale=v_scale)
+    return reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale=scale, workspace=workspace,
+                            k_scale=k_scale, v_scale=v_scale)
 
 
-def write_kv(k_cache, v_cache, key, value, slot_mapping):
-    """Store one layer's new ``key/value [T, Hkv, D]`` at ``slot_mapping [T]``; slot -1 writes nothing."""
+def write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
+    """Store one layer's new ``key/value [T, Hkv, D]`` at ``slot_mapping [T]``; slot -1 writes nothing.
+    float8_e4m3fn caches store the rows quantised at ``k_scale``/``v_scale`` (``kv_quant.quantize``)."""
     if key.is_cuda:
         from . import ops
-        return ops.write_kv_cuda(k_cache, v_cache, key, value, slot_mapping)
-    return reference_write_kv(k_cache, v_cache, key, value, slot_mapping)
+        return ops.write_kv_cuda(k_cache, v_cache, key, value, slot_mapping, k_scale, v_scale)
+    return reference_write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale, v_scale)

@@ -9,6 +9,7 @@ tensors run the same arithmetic in PyTorch. Rounding follows transformers' Llama
 import torch
 import torch.nn.functional as F
 
+from .kv_quant import check_kv_scales
 from .reference import reference_write_kv
 
 
@@ -80,13 +81,17 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int) -> None:
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """``qkv [T, (Hq + 2 Hkv) * D]``: rotates the query and key heads in place (rotate-half
     convention, ``cos_sin [max_positions, D]`` holding the cosines then the sines of the D/2
-    frequencies), then stores each token's key and value at ``slot_mapping`` (-1: nowhere)."""
+    frequencies), then stores each token's key and value at ``slot_mapping`` (-1: nowhere); fp8
+    caches store them quantised at ``k_scale``/``v_scale``, in the same launch on CUDA."""
+    check_kv_scales(k_cache, k_scale, v_scale)
     if qkv.is_cuda:
         _load(qkv.device)
-        torch.ops.flashdecode.rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_q_heads)
+        torch.ops.flashdecode.rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_q_heads,
+                                            k_scale, v_scale)
         return
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     heads = qkv.unflatten(1, (-1, head_dim))
@@ -97,4 +102,4 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     x1, x2 = rotated[..., :half].float(), rotated[..., half:].float()
     rotated.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
     reference_write_kv(k_cache, v_cache, heads[:, num_q_heads:num_q_heads + num_kv_heads],
-                       heads[:, num_q_heads + num_kv_heads:], slot_mapping)
+                       heads[:, num_q_heads + num_kv_heads:], slot_mapping, k_scale, v_scale)
