@@ -43,8 +43,9 @@ def _describe(scale) -> str:
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 codes of ``x [..., Hkv, D]`` at ``scale [Hkv]``: ``x / scale`` saturated to +-448."""
-    scaled = x.float() / scale.float().view(-1, 1)
+    """e4m3 codes of ``x`` at ``scale [Hkv]``, the KV heads being dim 1 of ``x`` (``[T, Hkv, D]``,
+    ``[B, Hkv, M, D]``): ``x / scale`` in float32, saturated to +-448, rounded to nearest even."""
+    scaled = x.float() / scale.float().view(-1, *[1] * (x.dim() - 2))
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 

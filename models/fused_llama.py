@@ -99,20 +99,23 @@ class FusedLlama:
         residual = None
         for i, (norm_in, qkv_w, o_w, norm_post, gate_up_w, down_w) in enumerate(self.layers):
             k_cache, v_cache = batch.kv_caches[i]
+            k_scale, v_scale = batch.layer_scales(i)
             if residual is None:
                 residual, hidden = hidden, layer_ops.rms_norm(hidden, norm_in, self.eps)
             else:
                 layer_ops.add_rms_norm(hidden, residual, norm_in, self.eps)
             qkv = layer_ops.linear(hidden, qkv_w)
-            layer_ops.rope_write_kv(qkv, positions, self.cos_sin, k_cache, v_cache, batch.slot_mapping, hq)
+            layer_ops.rope_write_kv(qkv, positions, self.cos_sin, k_cache, v_cache, batch.slot_mapping, hq,
+                                    k_scale, v_scale)
             q = qkv[:, :hq * d].unflatten(1, (hq, d))
             if batch.is_decode:
                 attn = kernels.flash_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                                            scale=self.scale, workspace=batch.workspace)
+                                            scale=self.scale, workspace=batch.workspace, k_scale=k_scale,
+                                            v_scale=v_scale)
             else:
                 k = qkv[:, hq * d:(hq + hkv) * d].unflatten(1, (hkv, d))
                 v = qkv[:, (hq + hkv) * d:].unflatten(1, (hkv, d))
-                attn = prefill_attention(q, k, v, self.scale, batch, k_cache, v_cache)
+                attn = prefill_attention(q, k, v, self.scale, batch, k_cache, v_cache, k_scale, v_scale)
             hidden = layer_ops.linear(attn.reshape(tokens, hq * d), o_w)
             layer_ops.add_rms_norm(hidden, residual, norm_post, self.eps)
             hidden = layer_ops.silu_mul_linear(layer_ops.linear(hidden, gate_up_w), down_w)
