@@ -80,3 +80,18 @@ def test_refuses_a_caching_setting_named_twice(capsys):
         engine_bench.main(["--model", "random:tiny", "--device", "cpu", "--prefix-caching", "on", "on"])
     assert exit_info.value.code == 2
     assert "--prefix-caching" in capsys.readouterr().err
+
+
+def test_kv_cache_dtypes_run_side_by_side(tmp_path):
+    out = tmp_path / "bench.json"
+    engine_bench.main(["--model", "random:tiny", "--device", "cpu", "--batch", "2", "--prompt-len", "8",
+                       "--new-tokens", "4", "--hf", "--repeats", "1", "--kv-cache-dtype", "auto", "fp8",
+                       "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["engines"]) == {"ours", "ours_fp8"}
+    assert result["ours"][0]["ours_fp8_tok_per_s"] > 0
+
+
+def test_decode_step_timing_needs_cuda():
+    with pytest.raises(SystemExit):
+        engine_bench.main(["--model", "random:tiny", "--device", "cpu", "--decode-step", "1:128"])
