@@ -291,6 +291,7 @@ def test_fp8_rope_write_kv_is_bit_exact(hq, hkv, d, dtype):
 
 
 def test_fp8_refusals_on_cuda():
+    ops.load(DEVICE)                                  # the raw op below needs the library loaded
     k8, v8, ks, vs, _, _, table, seq_lens = fp8_paged([40], 2, 64, 16)
     q = torch.randn(1, 4, 64, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="k_scale.*v_scale"):
