@@ -31,7 +31,7 @@ NAN_CODE = 0x7F
 
 def fp8_paged(lengths, num_kv, head_dim, block_size, table_blocks=None, codes=None):
     """A paged fp8 cache of random values at per-head scales of different magnitudes (or of
-    ``codes(shape)``, uint8), NaN codes past each end; returns it with its scales and the
+    ``codes(shape)``, uint8, at scales of 2^7 times those), NaN codes past each end; returns it with its scales and the
     dequantised float32 cache (NaN past each end) that the oracle reads."""
     ref_k, ref_v, table, seq_lens = make_paged(lengths, num_kv, head_dim, block_size, torch.float32,
                                                table_blocks=table_blocks)
@@ -40,10 +40,11 @@ def fp8_paged(lengths, num_kv, head_dim, block_size, table_blocks=None, codes=No
     for cache in (ref_k, ref_v):
         mags = torch.rand(num_kv, device=DEVICE) * 3 + 0.05
         values = cache.nan_to_num(0.0) * mags.view(1, -1, 1, 1)
-        scale = scales_from_amax(values.abs().amax(dim=(0, 2, 3)))
         if codes is None:
+            scale = scales_from_amax(values.abs().amax(dim=(0, 2, 3)))
             fp8 = quantize(values, scale)
-        else:
+        else:                          # scales that make the given codes' values of order one
+            scale = 2.0 ** 7 * mags
             fp8 = codes(cache.shape).view(FP8)
         fp8.view(torch.uint8).masked_fill_(invalid, NAN_CODE)
         deq = dequantize(fp8, scale)
