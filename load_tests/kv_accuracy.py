@@ -52,7 +52,8 @@ def teacher_forced(loaded, kv_cache_dtype: str, streams: list[list[int]], prompt
     config = EngineConfig(max_batch=len(streams), num_blocks=len(streams) * blocks_per_seq, block_size=block_size,
                           cuda_graphs=cuda_graphs, graph_buckets=(len(streams),), prefill_graph_buckets=(),
                           kv_cache_dtype=kv_cache_dtype, cpu_weights="float")
-    runner = ModelRunner(loaded, config, max_model_len=blocks_per_seq * block_size)
+    # long enough that the fp8 run calibrates on the whole of models/calibration.txt, as the engine does
+    runner = ModelRunner(loaded, config, max_model_len=max(blocks_per_seq * block_size, 1024))
     blocks = BlockManager(runner.num_blocks, runner.block_size)
     seqs = []
     for i, tokens in enumerate(streams):
