@@ -11,8 +11,8 @@ leave out cases. ``--window W`` also times our kernel with a sliding window of W
 longer than W (its planned span and reads are the window's), beside the unwindowed call. It also
 times the launch floor: one and two trivial kernels per call, replayed the same way. ``--fp8``
 adds our kernel on float8_e4m3fn caches of the same values (per-head scales) and a table of its
-speedup over our bf16 kernel and over cuDNN bf16 (issue 23's targets); ``--peers`` picks the SDPA
-backends.
+speedup over our bf16 kernel and over cuDNN bf16 (issue 23's targets), and with ``--window`` the
+windowed call on fp8 caches too; ``--peers`` picks the SDPA backends.
 """
 
 import argparse
@@ -103,10 +103,10 @@ class Case:
                                                  window=window)
         return [make(*s) for s in self.paged]
 
-    def ours_fp8(self):
+    def ours_fp8(self, window=None):
         def make(q, kc, vc, ks, vs, bt):
             return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=self.workspace,
-                                                 k_scale=ks, v_scale=vs)
+                                                 window=window, k_scale=ks, v_scale=vs)
         return [make(*s) for s in self.fp8]
 
     def peer(self, backend):
@@ -306,7 +306,10 @@ def main(argv=None):
                     w_us = row["window_us"]
                     row["window_speedup"] = ours / w_us if ours and w_us else None
                     row["window_pct_peak"] = 100 * window_bytes / (w_us * 1e-6) / PEAK_BYTES_PER_S if w_us else None
-                    print(f"    window {window}: ours {fmt(w_us)} us (S={row['window_splits']})", flush=True)
+                    if args.fp8:
+                        row["window_fp8_us"] = try_time(case.ours_fp8(window))
+                    print(f"    window {window}: ours {fmt(w_us)} us (S={row['window_splits']})"
+                          + (f", ours fp8 {fmt(row['window_fp8_us'])} us" if args.fp8 else ""), flush=True)
                 rows.append(row)
                 del case
                 torch.cuda.empty_cache()
