@@ -15,7 +15,7 @@ __all__ = ["flash_decode", "write_kv", "reference_decode", "reference_write_kv",
 
 
 def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True,
-                 window=None):
+                 window=None, k_scale=None, v_scale=None):
     """Attention of one new query token per sequence over its paged KV cache.
 
     q [B, Hq, D]; k_cache/v_cache [num_blocks, Hkv, block_size, D] (``paging.py``);
@@ -35,18 +35,23 @@ def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, work
     position ``seq_len - 1`` attends to positions ``p >= seq_len - window`` only, and cache blocks
     wholly before them are not read. The workspace must have been planned for that window
     (``Workspace(..., windows=...)``) unless it is at least the workspace's ``max_seq_len``.
+
+    float8_e4m3fn caches (``kv_quant``) need ``k_scale`` and ``v_scale``, float32 ``[Hkv]`` on the
+    caches' device (a row dequantises as ``code * scale``); other caches refuse them.
     """
     if q.is_cuda:
         from . import ops
         return ops.flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
-                                     workspace=workspace, read_ahead=read_ahead, window=window)
+                                     workspace=workspace, read_ahead=read_ahead, window=window, k_scale=k_scale,
+                                     v_scale=v_scale)
     return reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale=scale, workspace=workspace,
-                            window=window)
+                            window=window, k_scale=k_scale, v_scale=v_scale)
 
 
-def write_kv(k_cache, v_cache, key, value, slot_mapping):
-    """Store one layer's new ``key/value [T, Hkv, D]`` at ``slot_mapping [T]``; slot -1 writes nothing."""
+def write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
+    """Store one layer's new ``key/value [T, Hkv, D]`` at ``slot_mapping [T]``; slot -1 writes nothing.
+    float8_e4m3fn caches store the rows quantised at ``k_scale``/``v_scale`` (``kv_quant.quantize``)."""
     if key.is_cuda:
         from . import ops
-        return ops.write_kv_cuda(k_cache, v_cache, key, value, slot_mapping)
-    return reference_write_kv(k_cache, v_cache, key, value, slot_mapping)
+        return ops.write_kv_cuda(k_cache, v_cache, key, value, slot_mapping, k_scale, v_scale)
+    return reference_write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale, v_scale)

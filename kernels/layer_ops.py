@@ -10,6 +10,7 @@ tensors run the same arithmetic in PyTorch. Rounding follows transformers' Llama
 import torch
 import torch.nn.functional as F
 
+from .kv_quant import check_kv_scales
 from .reference import reference_write_kv
 
 
@@ -104,19 +105,22 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int,
-                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0) -> None:
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int, *,
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """``qkv [T, (Hq + 2 Hkv) * D]``: RMS-normalises each query and key head in place when
     ``q_norm`` and ``k_norm`` (``[D]`` each) are given, rotates them in place (rotate-half
     convention, ``cos_sin [max_positions, D]`` holding the cosines then the sines of the D/2
-    frequencies), then stores each token's key and value at ``slot_mapping`` (-1: nowhere)."""
+    frequencies), then stores each token's key and value at ``slot_mapping`` (-1: nowhere); fp8
+    caches store them quantised at ``k_scale``/``v_scale``, in the same launch on CUDA."""
     if (q_norm is None) != (k_norm is None):
         raise ValueError(f"q_norm and k_norm come together; got q_norm {q_norm is not None}, "
                          f"k_norm {k_norm is not None}")
+    check_kv_scales(k_cache, k_scale, v_scale)
     if qkv.is_cuda:
         _load(qkv.device)
         torch.ops.flashdecode.rope_write_kv(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_q_heads,
-                                            q_norm, k_norm, eps)
+                                            q_norm, k_norm, eps, k_scale, v_scale)
         return
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     heads = qkv.unflatten(1, (-1, head_dim))
@@ -131,4 +135,4 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     x1, x2 = rotated[..., :half].float(), rotated[..., half:].float()
     rotated.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
     reference_write_kv(k_cache, v_cache, heads[:, num_q_heads:num_q_heads + num_kv_heads],
-                       heads[:, num_q_heads + num_kv_heads:], slot_mapping)
+                       heads[:, num_q_heads + num_kv_heads:], slot_mapping, k_scale, v_scale)

@@ -12,6 +12,7 @@ import torch
 
 from . import build
 from .constants import HEAD_DIMS
+from .kv_quant import FP8, check_kv_scales
 from .paging import SUPPORTED_BLOCK_SIZE_RULE, supported_block_size
 from .window import check_window
 from .workspace import Workspace
@@ -43,11 +44,11 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("flashdecode::flash_decode")
     def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, three_per_sm,
-                           partial_out, partial_lse, read_ahead=True, window=0):
+                           partial_out, partial_lse, read_ahead=True, window=0, k_scale=None, v_scale=None):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("flashdecode::write_kv")
-    def _write_kv_fake(k_cache, v_cache, key, value, slot_mapping):
+    def _write_kv_fake(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
         return None
 
     @torch.library.register_fake("flashdecode::rms_norm")
@@ -68,7 +69,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("flashdecode::rope_write_kv")
     def _rope_write_kv_fake(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_q_heads, q_norm=None,
-                            k_norm=None, eps=0.0):
+                            k_norm=None, eps=0.0, k_scale=None, v_scale=None):
         return None
 
     _fakes_registered = True
@@ -93,7 +94,7 @@ def _check_cache(k_cache, v_cache, device, name="k_cache/v_cache"):
         raise ValueError("the caches must be 16-byte aligned")
 
 
-def _validate_decode(q, k_cache, v_cache, block_table, seq_lens):
+def _validate_decode(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -105,8 +106,9 @@ def _validate_decode(q, k_cache, v_cache, block_table, seq_lens):
     if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or _misaligned(q):
         raise ValueError("q needs a contiguous last dim and 16-byte aligned rows (call q.contiguous())")
     _check_cache(k_cache, v_cache, q.device)
-    if k_cache.dtype != q.dtype:
-        raise ValueError(f"the caches are {k_cache.dtype} but q is {q.dtype}")
+    if k_cache.dtype not in (q.dtype, FP8):
+        raise ValueError(f"the caches are {k_cache.dtype} but q is {q.dtype} (caches hold q's dtype or {FP8})")
+    check_kv_scales(k_cache, k_scale, v_scale)
     _, num_kv_heads, block_size, cache_dim = k_cache.shape
     if cache_dim != head_dim:
         raise ValueError(f"cache head_dim {cache_dim} != q head_dim {head_dim}")
@@ -147,11 +149,11 @@ def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_se
 
 
 def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True,
-                      window=None):
+                      window=None, k_scale=None, v_scale=None):
     """``kernels.flash_decode`` for CUDA tensors; see ``kernels/__init__.py`` for the contract."""
     window = check_window(window)
     batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
-                                                                               seq_lens)
+                                                                               seq_lens, k_scale, v_scale)
     load(q.device)
     if workspace is None:
         workspace = default_workspace(q.device, num_q_heads, num_kv_heads, head_dim, batch,
@@ -162,7 +164,7 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     window = _kernel_window(window, block_table.shape[1] * block_size)
     return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, plan.num_splits,
                                               plan.three_per_sm, workspace.partial_out, workspace.partial_lse,
-                                              bool(read_ahead), window)
+                                              bool(read_ahead), window, k_scale, v_scale)
 
 
 def _kernel_window(window: int | None, reach: int) -> int:
@@ -170,9 +172,11 @@ def _kernel_window(window: int | None, reach: int) -> int:
     return 0 if window is None or window >= reach else window
 
 
-def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):
-    """``kernels.write_kv`` for CUDA tensors: slot -1 (any negative slot) writes nothing."""
+def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
+    """``kernels.write_kv`` for CUDA tensors: slot -1 (any negative slot) writes nothing; fp8
+    caches store ``kv_quant.quantize`` of the rows (bf16 or fp16) at the scales."""
     _check_cache(k_cache, v_cache, key.device)
+    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     if key.dim() != 3 or key.shape != value.shape or key.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"key and value must be [T, {num_kv_heads}, {head_dim}], "
@@ -182,12 +186,19 @@ def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping):
                          f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     if slot_mapping.device != key.device or value.device != key.device:
         raise ValueError("key, value and slot_mapping must be on the caches' device")
-    if (head_dim * k_cache.element_size()) % 16:
-        raise ValueError(f"head_dim {head_dim} x {k_cache.element_size()} bytes is not a multiple of 16 bytes")
-    key = _rows_aligned(key.to(k_cache.dtype))
-    value = _rows_aligned(value.to(k_cache.dtype))
+    row_dtype = k_cache.dtype
+    if fp8:
+        if key.dtype not in SUPPORTED_DTYPES or value.dtype != key.dtype:
+            raise ValueError(f"key and value written to a {FP8} cache must be one of bfloat16/float16, "
+                             f"got {key.dtype} and {value.dtype}")
+        row_dtype = key.dtype
+    row_bytes = head_dim * torch.empty((), dtype=row_dtype).element_size()
+    if row_bytes % 16:
+        raise ValueError(f"head_dim {head_dim} x {row_bytes // head_dim} bytes is not a multiple of 16 bytes")
+    key = _rows_aligned(key.to(row_dtype))
+    value = _rows_aligned(value.to(row_dtype))
     load(key.device)
-    torch.ops.flashdecode.write_kv(k_cache, v_cache, key, value, slot_mapping.contiguous())
+    torch.ops.flashdecode.write_kv(k_cache, v_cache, key, value, slot_mapping.contiguous(), k_scale, v_scale)
 
 
 def _rows_aligned(t: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,13 @@
 
 The same algorithm as the CUDA kernel: the KV sequence is cut into ``num_splits`` chunks, each
 chunk yields a partial output normalised by its own softmax sum plus its log-sum-exp, and the
-chunks are merged exactly. Accumulation is in float32 (float64 stays float64).
+chunks are merged exactly. Accumulation is in float32 (float64 stays float64). float8_e4m3fn
+caches are dequantised with their per-KV-head scales (``kv_quant``) as they are read.
 """
 
 import torch
 
+from .kv_quant import check_kv_scales, dequantize, quantize
 from .planner import max_splits_for
 from .window import attended_span, check_window, window_starts
 
@@ -82,7 +84,7 @@ def merge_splits(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 
 def reference_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True,
-                     window=None):
+                     window=None, k_scale=None, v_scale=None):
     """One decode step of attention for each sequence. Same contract as ``flash_decode`` (on the
     CPU nothing runs ahead, so ``read_ahead`` changes nothing); the workspace's plan sets the split
     count, and a workspace that does not fit the call is refused as on CUDA."""
@@ -93,14 +95,17 @@ def reference_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, 
         _, num_kv_heads, block_size, head_dim = k_cache.shape
         num_splits = workspace.check_call(q.shape[0], q.shape[1], num_kv_heads, q.shape[2], block_table.shape[1],
                                           block_size, q.device, window=window).num_splits
-    return split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, scale=scale, window=window)
+    return split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, scale=scale, window=window,
+                        k_scale=k_scale, v_scale=v_scale)
 
 
-def split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, *, scale=None, window=None):
+def split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, *, scale=None, window=None, k_scale=None,
+                 v_scale=None):
     """``reference_decode`` with an explicit split count (any count gives the same result). With a
     window, as in the kernel, the splits divide each sequence's attended positions
     ``[max(0, seq_len - window), seq_len)``, and nothing before them is read."""
     window = check_window(window)
+    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
     head_dim = q.shape[-1]
     scale = head_dim ** -0.5 if scale is None else scale
     acc = _accum_dtype(q.dtype)
@@ -116,12 +121,17 @@ def split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, *, scal
         width = int(lengths.max())
         k = gather_window(k_cache, block_table, starts, width).to(acc)
         v = gather_window(v_cache, block_table, starts, width).to(acc)
+    if fp8:
+        k, v = dequantize(k, k_scale, acc), dequantize(v, v_scale, acc)
     o, lse = split_attention(q.to(acc) * scale, k, v, lengths, num_splits)
     return merge_splits(o, lse).to(q.dtype)
 
 
-def reference_write_kv(k_cache, v_cache, key, value, slot_mapping):
-    """Store ``key/value [T, Hkv, D]`` at ``slot_mapping [T]``; slots < 0 write nothing."""
+def reference_write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
+    """Store ``key/value [T, Hkv, D]`` at ``slot_mapping [T]``; slots < 0 write nothing. fp8
+    caches store ``kv_quant.quantize`` of the rows at the scales."""
+    if check_kv_scales(k_cache, k_scale, v_scale):
+        key, value = quantize(key, k_scale), quantize(value, v_scale)
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
     if not bool(keep.all()):

@@ -11,6 +11,14 @@ the whole batch (prefill included), as vLLM's offline throughput benchmark does.
         --block-size 128 32 --repeats 6      # two engines, one per block size, taking turns
     python -m load_tests.engine_bench --device cuda --model random:smollm2-135m --batch 16 64 --hf \
         --shared-prefix 2048 --prefix-caching on off      # one engine with prefix caching, one without
+    python -m load_tests.engine_bench --device cuda --model random:smollm2-135m --hf \
+        --kv-cache-dtype auto fp8 --decode-step 8:32768 256:4096 1:128   # the decode step alone
+
+``--kv-cache-dtype auto fp8`` runs one engine per KV cache type, interleaved (ours_fp8 columns).
+``--decode-step B:CTX ...`` times only the decode step instead (no prefill, no sampling): the
+batch's CUDA graph replayed over B sequences of CTX cached tokens each, median GPU time per
+replay, per engine, with each engine's ratio to the first's (the cache contents do not change
+the step's time, so none are prefilled).
 
 Every run draws new prompts (the same for every engine and transformers in that round), so a
 prefix cache never serves one run from an earlier one; with ``--shared-prefix N`` every prompt
@@ -30,7 +38,10 @@ import torch
 
 from models import load_model
 from server.engine import EngineConfig, EngineCore, FinishEvent, SamplingParams, freeze_startup_heap
+from server.engine.block_manager import BlockManager
+from server.engine.config import KV_CACHE_DTYPES
 from server.engine.output import OutputProcessor
+from server.engine.sequence import Sequence
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int, prefix: list[int] = ()) -> list[list[int]]:
@@ -77,6 +88,72 @@ def run_hf(model, prompts, new_tokens: int, mode: str) -> float:
     sync(model.device)
     assert out.shape[1] - ids.shape[1] == new_tokens
     return time.perf_counter() - started
+
+
+def decode_step_us(core: EngineCore, batch: int, context: int, replays: int = 50) -> float:
+    """Median GPU time of one replay of the decode graph serving ``batch`` sequences of ``context``
+    cached tokens each (their blocks taken from a manager of its own; the cache is not filled)."""
+    runner = core.runner
+    bucket = runner.bucket_for(batch)
+    if bucket is None:
+        raise ValueError(f"no decode graph serves batch {batch} (buckets {sorted(runner.graphs)})")
+    blocks = BlockManager(runner.num_blocks, runner.block_size)
+    seqs = []
+    for i in range(batch):
+        seq = Sequence(f"step-{i}", [100 + (i * 31 + j) % 20000 for j in range(context - 1)], SamplingParams(), 0)
+        seq.num_cached = seq.length
+        seq.append(7)
+        blocks.grow(seq.block_table, seq.length)
+        seqs.append(seq)
+    with torch.inference_mode():
+        runner.decode(seqs)                         # loads the step's inputs into the graph's buffers
+    graph = runner.graphs[bucket][0]
+    for _ in range(5):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
+
+
+def decode_step_table(loaded, args) -> dict:
+    cases = [tuple(int(x) for x in c.split(":")) for c in args.decode_step]
+    longest = max(ctx for _, ctx in cases) + 16
+    bs = args.block_size[0]
+    num_blocks = max(b * (-(-(ctx + 16) // bs) + 1) for b, ctx in cases)      # the largest case's
+    engines = {}
+    for kv in args.kv_cache_dtype:
+        config = EngineConfig(max_batch=max(b for b, _ in cases), max_model_len=longest, num_blocks=num_blocks,
+                              block_size=bs, graph_buckets=tuple(sorted({b for b, _ in cases})),
+                              prefill_graph_buckets=(), kv_cache_dtype=kv)
+        name = "ours" + ("" if kv == args.kv_cache_dtype[0] else f"_{kv}")
+        engines[name] = EngineCore(loaded, config, publish=lambda pairs, stats: None)
+    rows = []
+    for batch, context in cases:
+        samples = {name: [] for name in engines}
+        for _ in range(args.repeats):               # engines take turns
+            for name, core in engines.items():
+                samples[name].append(decode_step_us(core, batch, context))
+        row = {"batch": batch, "context": context}
+        for name, v in samples.items():
+            row[f"{name}_us"] = statistics.median(v)
+            row[f"{name}_speedup"] = row["ours_us"] / row[f"{name}_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    names = list(engines)
+    lines = ["| B | context | " + " | ".join(f"{n} us" for n in names) + " | " +
+             " | ".join(f"{n} speedup" for n in names[1:]) + " |", "|" + "---|" * (2 + 2 * len(names) - 1)]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['context']} | " + " | ".join(f"{r[f'{n}_us']:.1f}" for n in names) + " | "
+                     + " | ".join(f"{r[f'{n}_speedup']:.2f}x" for n in names[1:]) + " |")
+    print("decode step alone (CUDA graph replay, median GPU time):")
+    print("\n".join(lines))
+    return {"model": args.model, "gpu": torch.cuda.get_device_name(loaded.device),
+            "block_size": bs, "kv_cache_dtypes": args.kv_cache_dtype,
+            "kv_pool_tokens": {n: c.runner.kv_tokens for n, c in engines.items()}, "decode_step": rows}
 
 
 def interleaved(runners: dict, repeats: int) -> dict:
@@ -126,8 +203,14 @@ def main(argv=None):
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--prefill-graph-buckets", type=int, nargs="*", default=None,
                     help="token buckets of prefill graphs (none given: off; default: the engine's)")
+    ap.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES, default=["auto"],
+                    help="KV cache element type; several: one engine each, interleaved (ours_fp8 columns)")
+    ap.add_argument("--decode-step", nargs="*", default=None, metavar="B:CTX",
+                    help="time only the decode step at these batches and cached lengths (CUDA only)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if len(set(args.kv_cache_dtype)) != len(args.kv_cache_dtype):
+        ap.error("--kv-cache-dtype: each type once")
     if len(set(args.block_size)) != len(args.block_size):
         ap.error("--block-size: each size once")
     if len(set(args.prefix_caching)) != len(args.prefix_caching):
@@ -138,6 +221,14 @@ def main(argv=None):
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     device = loaded.device
+    if args.decode_step:
+        if device.type != "cuda":
+            ap.error("--decode-step times CUDA graph replays")
+        result = decode_step_table(loaded, args)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2))
+        return
     vocab = loaded.config.vocab_size
     long_modes = args.hf if args.hf_long is None else args.hf_long
     prefix = random_prompts(1, args.shared_prefix, vocab, seed=12345)[0] if args.shared_prefix else []
@@ -152,7 +243,8 @@ def main(argv=None):
     elif len(args.block_size) > 1:                 # room for every sequence of each case
         pool_tokens = max(b * (s + p + n + max(args.block_size)) for b, s, p, n, _ in cases)
     engines = {}
-    for block_size, caching in ((b, c) for b in args.block_size for c in args.prefix_caching):
+    for block_size, caching, kv in ((b, c, k) for b in args.block_size for c in args.prefix_caching
+                                    for k in args.kv_cache_dtype):
         config = EngineConfig(max_batch=max_batch, max_model_len=max(longest, 1024),
                               max_prefill_tokens=8192,
                               num_blocks=None if pool_tokens is None else -(-pool_tokens // block_size),
@@ -160,9 +252,10 @@ def main(argv=None):
                               cuda_graphs=not args.no_graphs,
                               prefill_graph_buckets=None if args.prefill_graph_buckets is None
                               else tuple(args.prefill_graph_buckets), block_size=block_size,
-                              prefix_caching=caching == "on")
+                              prefix_caching=caching == "on", kv_cache_dtype=kv)
         name = "ours" + ("" if block_size == args.block_size[0] else f"_bs{block_size}") + \
-            ("" if caching == args.prefix_caching[0] else ("_cache" if caching == "on" else "_nocache"))
+            ("" if caching == args.prefix_caching[0] else ("_cache" if caching == "on" else "_nocache")) + \
+            ("" if kv == args.kv_cache_dtype[0] else f"_{kv}")
         engines[name] = EngineCore(loaded, config, publish=lambda pairs, stats: None)
     engine = engines["ours"]
     hf_model = None

@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 import kernels
+from kernels.kv_quant import dequantize
 
 NAME = "paged_split_kv"   # transformers treats any name containing "flash" as FlashAttention
 
@@ -67,6 +68,12 @@ class AttentionBatch:
     cu_kv_starts: torch.Tensor | None = None
     kv_starts: list[int] | None = None
     max_kv_len: int = 0
+    # float8_e4m3fn caches: each layer's (k_scale, v_scale), float32 [Hkv] on the caches' device
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(k_scale, v_scale)`` of layer ``layer``'s fp8 caches; ``(None, None)`` for other caches."""
+        return self.kv_scales[layer] if self.kv_scales is not None else (None, None)
 
 
 # Prompt lengths change with every request: backends that plan per shape (cuDNN builds a graph
@@ -74,15 +81,23 @@ class AttentionBatch:
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache,
+def cached_rows(rows: torch.Tensor, cache_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Rows read from a cache (the KV heads their dim 1) as ``dtype``: fp8 codes dequantised at
+    their scale (``cache_scale``, None for other caches)."""
+    return rows.to(dtype) if cache_scale is None else dequantize(rows, cache_scale).to(dtype)
+
+
+def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache, k_scale=None, v_scale=None, *,
                       window: int | None = None) -> torch.Tensor:
     """Causal attention of packed prompt chunks: ``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` (their keys
     and values already in the cache); returns ``[T, Hq, D]``. With a sliding ``window`` the query
-    at position i attends to positions ``i - window < p <= i`` (``kernels.window``)."""
+    at position i attends to positions ``i - window < p <= i`` (``kernels.window``). Keys and
+    values read back from fp8 caches are dequantised at ``k_scale``/``v_scale``."""
     window = kernels.check_window(window)
     if batch.kv_gather is not None:
         blocks, offsets = batch.kv_gather
-        k, v = k_cache[blocks, :, offsets].to(q.dtype), v_cache[blocks, :, offsets].to(q.dtype)   # [K, Hkv, D]
+        k = cached_rows(k_cache[blocks, :, offsets], k_scale, q.dtype)             # [K, Hkv, D]
+        v = cached_rows(v_cache[blocks, :, offsets], v_scale, q.dtype)
         if q.is_cuda:
             return torch.ops.aten._flash_attention_forward(
                 q, k, v, batch.cu_query_starts, batch.cu_kv_starts, batch.max_query_len, batch.max_kv_len,
@@ -92,7 +107,7 @@ def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache,
         return _varlen_causal(q, k, v, scale, batch, window)
     out = q.new_zeros(q.shape)
     with sdpa_kernel(PREFILL_BACKENDS, set_priority=True):
-        _prefill_chunks(out, q, k, v, scale, batch, k_cache, v_cache, window)
+        _prefill_chunks(out, q, k, v, scale, batch, k_cache, v_cache, window, k_scale, v_scale)
     return out
 
 
@@ -137,7 +152,8 @@ def _varlen_causal(q, k, v, scale, batch: AttentionBatch, window=None) -> torch.
                                                    **_flash_window(window))[0]
 
 
-def _prefill_chunks(out, q, k, v, scale, batch: AttentionBatch, k_cache, v_cache, window=None) -> None:
+def _prefill_chunks(out, q, k, v, scale, batch: AttentionBatch, k_cache, v_cache, window=None, k_scale=None,
+                    v_scale=None) -> None:
     for i, (start, end) in enumerate(zip(batch.query_starts, batch.query_starts[1:])):
         context = batch.context_lens[i]
         qi = q[start:end].transpose(0, 1).unsqueeze(0)                        # [1, Hq, n, D]
@@ -154,8 +170,9 @@ def _prefill_chunks(out, q, k, v, scale, batch: AttentionBatch, k_cache, v_cache
             total = context + end - start
             table = batch.block_tables[i:i + 1]
             group = q.shape[1] // k_cache.shape[1]
-            ki = kernels.reference.gather_dense(k_cache, table, total).to(q.dtype).repeat_interleave(group, dim=1)
-            vi = kernels.reference.gather_dense(v_cache, table, total).to(q.dtype).repeat_interleave(group, dim=1)
+            ki = cached_rows(kernels.reference.gather_dense(k_cache, table, total), k_scale, q.dtype)
+            vi = cached_rows(kernels.reference.gather_dense(v_cache, table, total), v_scale, q.dtype)
+            ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
             mask = causal_mask(end - start, total, window, q.device)
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
         out[start:end] = o[0].transpose(0, 1)
@@ -169,17 +186,19 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     # transformers hands a sliding layer's window in (Gemma 3, Qwen2: ``sliding_window=``), None elsewhere.
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     k_cache, v_cache = attn_batch.kv_caches[module.layer_idx]
+    k_scale, v_scale = attn_batch.layer_scales(module.layer_idx)
     # [B, H, T, D] -> [B*T, H, D]: one row per new token, the order of slot_mapping
     new_k = key.transpose(1, 2).flatten(0, 1)
     new_v = value.transpose(1, 2).flatten(0, 1)
-    kernels.write_kv(k_cache, v_cache, new_k, new_v, attn_batch.slot_mapping)
+    kernels.write_kv(k_cache, v_cache, new_k, new_v, attn_batch.slot_mapping, k_scale, v_scale)
     if attn_batch.is_decode:
         out = kernels.flash_decode(query[:, :, 0], k_cache, v_cache, attn_batch.block_tables,
                                    attn_batch.seq_lens, scale=scaling, workspace=attn_batch.workspace,
-                                   window=window)
+                                   window=window, k_scale=k_scale, v_scale=v_scale)
         return out.unsqueeze(1), None
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))     # [T, H, D]
-    return prefill_attention(q, k, v, scaling, attn_batch, k_cache, v_cache, window).unsqueeze(0), None
+    return prefill_attention(q, k, v, scaling, attn_batch, k_cache, v_cache, k_scale, v_scale,
+                             window=window).unsqueeze(0), None
 
 
 def register() -> None:

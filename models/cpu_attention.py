@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_quant import dequantize, quantize
 from kernels.window import check_window, window_starts
 
 
@@ -64,25 +65,32 @@ class DecodePlan:
                    slots % block_size)
 
 
-def write_new_kv(k_cache, v_cache, key, value, plan: DecodePlan) -> None:
-    """Store a decode step's ``key/value [B, Hkv, D]`` (every row a real token)."""
+def write_new_kv(k_cache, v_cache, key, value, plan: DecodePlan, k_scale=None, v_scale=None) -> None:
+    """Store a decode step's ``key/value [B, Hkv, D]`` (every row a real token); fp8 caches
+    store them quantised at ``k_scale``/``v_scale``."""
+    if k_scale is not None:
+        key, value = quantize(key, k_scale), quantize(value, v_scale)
     k_cache[plan.slot_blocks, :, plan.slot_rows] = key.to(k_cache.dtype)
     v_cache[plan.slot_blocks, :, plan.slot_rows] = value.to(v_cache.dtype)
 
 
 def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
-                    scale: float) -> torch.Tensor:
+                    scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
     """``q [B, Hq, D]`` -> ``[B, Hq, D]``; caches ``[num_blocks, Hkv, block_size, D]``.
-    Computes in the cache's dtype (float32 or float64)."""
+    Computes in the cache's dtype (float32 or float64), in float32 for fp8 caches (dequantised
+    at ``k_scale``/``v_scale``)."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     split = (batch, -1, *k_cache.shape[1:])
     if plan.first_block is not None:
-        k = k_cache[plan.first_block:plan.first_block + plan.block_ids.shape[0]].unsqueeze(0)
-        v = v_cache[plan.first_block:plan.first_block + plan.block_ids.shape[0]].unsqueeze(0)
+        k = k_cache[plan.first_block:plan.first_block + plan.block_ids.shape[0]]
+        v = v_cache[plan.first_block:plan.first_block + plan.block_ids.shape[0]]
     else:
-        k = k_cache.index_select(0, plan.block_ids).view(split)          # [B, n, Hkv, bs, D]
-        v = v_cache.index_select(0, plan.block_ids).view(split)
+        k = k_cache.index_select(0, plan.block_ids)                      # [B * n, Hkv, bs, D]
+        v = v_cache.index_select(0, plan.block_ids)
+    if k_scale is not None:
+        k, v = dequantize(k, k_scale), dequantize(v, v_scale)
+    k, v = k.view(split), v.view(split)                                  # [B, n, Hkv, bs, D]
     if scale != 1.0:
         q = q * scale
     qg = q.to(k.dtype).view(batch, 1, num_kv_heads, -1, head_dim)

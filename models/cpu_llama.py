@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference_write_kv
+from kernels.kv_quant import FP8
 
 from .attention import AttentionBatch, head_dim_of, prefill_attention
 from .cpu_attention import DecodePlan, split_kv_decode, write_new_kv
@@ -87,6 +88,8 @@ class CpuLlama:
         tokens = ids.shape[0]
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         kv_dtype = batch.kv_caches[0][0].dtype
+        if kv_dtype == FP8:
+            kv_dtype = torch.float32            # fp8 caches: the step computes in float32
         rotary = self.rotary[positions.long()].unsqueeze(1)                     # [T, 1, D/2]
         plan = None
         if batch.is_decode:
@@ -96,6 +99,7 @@ class CpuLlama:
         residual = self.embed(ids).to(kv_dtype)
         for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(self.layers):
             k_cache, v_cache = batch.kv_caches[i]
+            k_scale, v_scale = batch.layer_scales(i)
             x = F.rms_norm(residual, (self.hidden,), norm_in, self.eps)
             qkv = matmul(qkv_proj, x.to(qkv_proj.act_dtype))
             qk = torch.view_as_complex(qkv[:, :(hq + hkv) * d].float().view(tokens, hq + hkv, d // 2, 2))
@@ -103,12 +107,12 @@ class CpuLlama:
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
             if plan is not None:
-                write_new_kv(k_cache, v_cache, k, v, plan)
-                attn = split_kv_decode(q, k_cache, v_cache, plan, 1.0)
+                write_new_kv(k_cache, v_cache, k, v, plan, k_scale, v_scale)
+                attn = split_kv_decode(q, k_cache, v_cache, plan, 1.0, k_scale, v_scale)
             else:
-                reference_write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+                reference_write_kv(k_cache, v_cache, k, v, batch.slot_mapping, k_scale, v_scale)
                 attn = prefill_attention(q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype), self.scale, batch,
-                                         k_cache, v_cache)
+                                         k_cache, v_cache, k_scale, v_scale)
             residual = residual + matmul(o_proj, attn.reshape(tokens, hq * d).to(o_proj.act_dtype))
             x = F.rms_norm(residual, (self.hidden,), norm_post, self.eps).to(gate_up_proj.act_dtype)
             gate, up = matmul(gate_up_proj, x).chunk(2, dim=-1)

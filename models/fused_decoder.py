@@ -199,21 +199,25 @@ class FusedDecoder:
         residual = None
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = batch.kv_caches[i]
+            k_scale, v_scale = batch.layer_scales(i)
             if residual is None:
                 residual, hidden = hidden, layer_ops.rms_norm(hidden, layer.norm_in, self.eps)
             else:
                 layer_ops.add_rms_norm(hidden, residual, layer.norm_in, self.eps)
             qkv = layer_ops.linear(hidden, layer.qkv, layer.qkv_bias)
             layer_ops.rope_write_kv(qkv, positions, layer.cos_sin, k_cache, v_cache, batch.slot_mapping, hq,
-                                    q_norm=layer.q_norm, k_norm=layer.k_norm, eps=self.eps)
+                                    q_norm=layer.q_norm, k_norm=layer.k_norm, eps=self.eps, k_scale=k_scale,
+                                    v_scale=v_scale)
             q = qkv[:, :hq * d].unflatten(1, (hq, d))
             if batch.is_decode:
                 attn = kernels.flash_decode(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                                            scale=self.scale, workspace=batch.workspace, window=layer.window)
+                                            scale=self.scale, workspace=batch.workspace, window=layer.window,
+                                            k_scale=k_scale, v_scale=v_scale)
             else:
                 k = qkv[:, hq * d:(hq + hkv) * d].unflatten(1, (hkv, d))
                 v = qkv[:, (hq + hkv) * d:].unflatten(1, (hkv, d))
-                attn = prefill_attention(q, k, v, self.scale, batch, k_cache, v_cache, window=layer.window)
+                attn = prefill_attention(q, k, v, self.scale, batch, k_cache, v_cache, k_scale, v_scale,
+                                         window=layer.window)
             hidden = layer_ops.linear(attn.reshape(tokens, hq * d), layer.o_proj)
             if layer.attn_out_norm is not None:
                 hidden = layer_ops.rms_norm(hidden, layer.attn_out_norm, self.eps)

@@ -96,3 +96,18 @@ def test_the_architecture_benchmark_writes_a_row_per_preset_and_batch(tmp_path):
         assert all(row[f"{name}_tok_per_s"] > 0 for name in arch_bench.COLUMNS)
         assert {name: len(runs) for name, runs in row["runs_s"].items()} == dict.fromkeys(arch_bench.COLUMNS, 1)
     assert "| qwen3-0.6b@1 | 1 |" in (tmp_path / "arch_bench.md").read_text()
+
+
+def test_kv_cache_dtypes_run_side_by_side(tmp_path):
+    out = tmp_path / "bench.json"
+    engine_bench.main(["--model", "random:tiny", "--device", "cpu", "--batch", "2", "--prompt-len", "8",
+                       "--new-tokens", "4", "--hf", "--repeats", "1", "--kv-cache-dtype", "auto", "fp8",
+                       "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["engines"]) == {"ours", "ours_fp8"}
+    assert result["ours"][0]["ours_fp8_tok_per_s"] > 0
+
+
+def test_decode_step_timing_needs_cuda():
+    with pytest.raises(SystemExit):
+        engine_bench.main(["--model", "random:tiny", "--device", "cpu", "--decode-step", "1:128"])

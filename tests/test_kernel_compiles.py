@@ -16,6 +16,17 @@ from kernels.build import DEFINES
 CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
 SOURCES = sorted(CSRC.glob("*.cu"))
 
+# Kernels a source must instantiate (pieces of their mangled names, as ptxas -v lists its entry
+# functions): the split kernel for both query types, the four (head_dim, warp) shapes and both
+# cache types; the quantising writes for both source types.
+_SPLIT_SHAPES = ("Li64ELi32E", "Li64ELi16E", "Li128ELi16E", "Li256ELi16E")
+REQUIRED_ENTRIES = {
+    "flash_decode.cu": [f"split_kernelI{t}{shape}{kv}EEv" for t in ("13__nv_bfloat16", "6__half")
+                        for shape in _SPLIT_SHAPES for kv in ("S2_", "13__nv_fp8_e4m3")],
+    "write_kv.cu": ["write_kv_kernelE", "write_kv_fp8_kernelI13__nv_bfloat16E", "write_kv_fp8_kernelI6__halfE"],
+    "layer_ops.cu": [f"rope_write_kv_kernelI{t}{kv}EEv" for t in ("13__nv_bfloat16", "6__half") for kv in ("S2_", "h")],
+}
+
 
 def nvcc() -> str:
     found = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if Path(p).is_file()), None)
@@ -37,6 +48,9 @@ def test_compiles_for_sm90(source, tmp_path):
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout}\n{result.stderr}"
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", result.stderr)]
     assert not any(spills), f"register spills in {source.name}:\n{result.stderr}"
+    entries = re.findall(r"Compiling entry function '([^']+)'", result.stderr)
+    missing = [name for name in REQUIRED_ENTRIES.get(source.name, []) if not any(name in e for e in entries)]
+    assert not missing, f"{source.name} does not instantiate {missing}; it has {entries}"
 
 
 def test_sources_refuse_to_build_without_the_shared_constants(tmp_path):

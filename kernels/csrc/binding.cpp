@@ -9,6 +9,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <optional>
+
 #include "flash_decode.h"
 #include "layer_ops.h"
 
@@ -21,10 +23,29 @@ void check_cuda(const at::Tensor& t, const char* name, const at::Device& device)
   TORCH_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device, ", got ", t.device());
 }
 
+// An fp8 cache's scales: k_scale and v_scale, both contiguous float32 [num_kv_heads] on the
+// caches' device; the caches of any other type take neither. Returns the caches' KV type.
+KvDType check_kv_scales(const at::Tensor& k_cache, const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale) {
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 == k_scale.has_value() && fp8 == v_scale.has_value(),
+              "k_scale and v_scale are required for float8_e4m3fn caches and refused for others; caches are ",
+              k_cache.scalar_type(), ", k_scale ", k_scale.has_value() ? "given" : "missing", ", v_scale ",
+              v_scale.has_value() ? "given" : "missing");
+  if (!fp8) return KvDType::kSameAsQuery;
+  for (const at::Tensor* t : {&*k_scale, &*v_scale}) {
+    check_cuda(*t, "k_scale/v_scale", k_cache.device());
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == k_cache.size(1) && t->is_contiguous(),
+                "k_scale and v_scale must be contiguous float32 [num_kv_heads=", k_cache.size(1), "]");
+  }
+  return KvDType::kFp8E4m3;
+}
+
 at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t num_splits,
                         bool three_per_sm, at::Tensor& partial_out, at::Tensor& partial_lse, bool read_ahead,
-                        int64_t window) {
+                        int64_t window, const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale) {
   const auto device = q.device();
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"},
                          {&block_table, "block_table"}, {&seq_lens, "seq_lens"}, {&partial_out, "partial_out"},
@@ -35,8 +56,10 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous(),
               "k_cache and v_cache must be contiguous [num_blocks, Hkv, block_size, D] of one shape");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "caches must have q's dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kFloat8_e4m3fn),
+              "caches must have q's dtype or be float8_e4m3fn");
+  const KvDType kv_dtype = check_kv_scales(k_cache, k_scale, v_scale);
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(1), bs = k_cache.size(2);
   TORCH_CHECK(supported_head_dim(d), "head_dim must be ", kHeadDims[0], ", ", kHeadDims[1], " or ", kHeadDims[2],
               ", got ", d);
@@ -94,13 +117,19 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   p.three_per_sm = three_per_sm;
   p.read_ahead = read_ahead;
   p.window = static_cast<int>(window);
+  p.kv_dtype = kv_dtype;
+  if (kv_dtype == KvDType::kFp8E4m3) {
+    p.k_scale = k_scale->data_ptr<float>();
+    p.v_scale = v_scale->data_ptr<float>();
+  }
   const cudaError_t err = launch_flash_decode(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_decode launch failed: ", cudaGetErrorString(err));
   return out;
 }
 
 void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key, const at::Tensor& value,
-              const at::Tensor& slot_mapping) {
+              const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+              const std::optional<at::Tensor>& v_scale) {
   const auto device = k_cache.device();
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&v_cache, "v_cache"}, {&key, "key"}, {&value, "value"},
                          {&slot_mapping, "slot_mapping"}})
@@ -111,13 +140,17 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key, c
   const int64_t hkv = k_cache.size(1), bs = k_cache.size(2), d = k_cache.size(3);
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == hkv && key.size(2) == d,
               "key and value must be [T, Hkv, D] matching the cache");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type(),
-              "key and value must have the cache's dtype");
+  const KvDType kv_dtype = check_kv_scales(k_cache, k_scale, v_scale);
+  const bool fp8 = kv_dtype == KvDType::kFp8E4m3;
+  TORCH_CHECK(value.scalar_type() == key.scalar_type() &&
+                  (fp8 ? key.scalar_type() == at::kBFloat16 || key.scalar_type() == at::kHalf
+                       : key.scalar_type() == k_cache.scalar_type()),
+              "key and value must have the cache's dtype (bf16 or fp16 for float8_e4m3fn caches)");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) && slot_mapping.is_contiguous() &&
                   (slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong),
               "slot_mapping must be int32 or int64 [T]");
-  const int64_t elem = k_cache.element_size(), row_bytes = d * elem;
-  TORCH_CHECK(row_bytes % 16 == 0, "head_dim * element size must be a multiple of 16 bytes");
+  const int64_t elem = key.element_size(), row_bytes = d * k_cache.element_size();
+  TORCH_CHECK(d * elem % 16 == 0 && row_bytes % 8 == 0, "head_dim * element size must be a multiple of 16 bytes");
   for (const at::Tensor* t : {&key, &value})
     TORCH_CHECK(t->stride(2) == 1 && (t->stride(0) * elem) % 16 == 0 && (t->stride(1) * elem) % 16 == 0 &&
                     aligned16(*t) && aligned16(k_cache) && aligned16(v_cache),
@@ -140,6 +173,12 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key, c
   p.num_kv_heads = static_cast<int>(hkv);
   p.block_size = static_cast<int>(bs);
   p.row_bytes = static_cast<int>(row_bytes);
+  p.kv_dtype = kv_dtype;
+  p.src_dtype = key.scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kHalf;
+  if (fp8) {
+    p.k_scale = k_scale->data_ptr<float>();
+    p.v_scale = v_scale->data_ptr<float>();
+  }
   const cudaError_t err = launch_write_kv(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "write_kv launch failed: ", cudaGetErrorString(err));
 }
@@ -258,15 +297,17 @@ at::Tensor silu_and_mul(const at::Tensor& x, int64_t act) {
 
 void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin, at::Tensor& k_cache,
                    at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_q_heads,
-                   const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps) {
+                   const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps,
+                   const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   const auto device = qkv.device();
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&positions, "positions"}, {&cos_sin, "cos_sin"},
                          {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&slot_mapping, "slot_mapping"}})
     check_cuda(*t, name, device);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
-                  v_cache.scalar_type() == qkv.scalar_type(),
-              "k_cache and v_cache must be contiguous [num_blocks, Hkv, block_size, D] of qkv's dtype");
+                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == qkv.scalar_type() || k_cache.scalar_type() == at::kFloat8_e4m3fn),
+              "k_cache and v_cache must be contiguous [num_blocks, Hkv, block_size, D] of qkv's dtype or float8_e4m3fn");
+  const KvDType kv_dtype = check_kv_scales(k_cache, k_scale, v_scale);
   const int64_t hkv = k_cache.size(1), bs = k_cache.size(2), d = k_cache.size(3), tokens = qkv.size(0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_q_heads + 2 * hkv) * d && qkv.stride(1) == 1,
               "qkv must be [T, (Hq + 2 Hkv) * D] with a contiguous last dim");
@@ -307,6 +348,11 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   p.head_dim = static_cast<int>(d);
   p.block_size = static_cast<int>(bs);
   p.dtype = dtype_of(qkv);
+  p.kv_dtype = kv_dtype;
+  if (kv_dtype == KvDType::kFp8E4m3) {
+    p.k_scale = k_scale->data_ptr<float>();
+    p.v_scale = v_scale->data_ptr<float>();
+  }
   c10::cuda::CUDAGuard guard(device);
   const cudaError_t err = launch_rope_write_kv(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "rope_write_kv launch failed: ", cudaGetErrorString(err));
@@ -319,16 +365,18 @@ TORCH_LIBRARY(flashdecode, m) {
   m.def(
       "flash_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, float scale, "
       "int num_splits, bool three_per_sm, Tensor(a!) partial_out, Tensor(b!) partial_lse, bool read_ahead=True, "
-      "int window=0) "
-      "-> Tensor");
-  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
+      "int window=0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+  m.def(
+      "write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping, "
+      "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor x, int act=0) -> Tensor");
   m.def("gemv(Tensor x, Tensor w, bool gated=False, Tensor? bias=None, int act=0) -> Tensor");
   m.def(
       "rope_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-      "Tensor slot_mapping, int num_q_heads, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0) -> ()");
+      "Tensor slot_mapping, int num_q_heads, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0, "
+      "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flashdecode, CUDA, m) {

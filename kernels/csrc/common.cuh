@@ -7,8 +7,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "flash_decode.h"
+#include "fp8.cuh"
 
 namespace flashdecode {
 namespace {

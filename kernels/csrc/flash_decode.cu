@@ -21,7 +21,7 @@ int sm_count() {
 }
 
 // Whether a cluster of ``splits`` split blocks fits on this device (cached per device and size).
-template <typename T, int D, int W>
+template <typename T, int D, int W, typename KV>
 bool cluster_fits(int splits) {
   using S = Shape<D, W>;
   static int8_t known[64][kMaxClusterSplits + 1];  // 0 unknown, 1 fits, -1 does not
@@ -31,7 +31,7 @@ bool cluster_fits(int splits) {
   int8_t k = __atomic_load_n(&slot, __ATOMIC_ACQUIRE);
   if (k != 0) return k > 0;
   cudaError_t err = splits <= 8 ? cudaSuccess
-                                 : cudaFuncSetAttribute(split_kernel<T, D, W>,
+                                 : cudaFuncSetAttribute(split_kernel<T, D, W, KV>,
                                                         cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   if (err == cudaSuccess) {
     cudaLaunchConfig_t config = {};
@@ -46,7 +46,7 @@ bool cluster_fits(int splits) {
     config.attrs = attr;
     config.numAttrs = 1;
     int clusters = 0;
-    err = cudaOccupancyMaxActiveClusters(&clusters, split_kernel<T, D, W>, &config);
+    err = cudaOccupancyMaxActiveClusters(&clusters, split_kernel<T, D, W, KV>, &config);
     if (err == cudaSuccess) {
       __atomic_store_n(&slot, int8_t(clusters > 0 ? 1 : -1), __ATOMIC_RELEASE);
       return clusters > 0;
@@ -60,7 +60,7 @@ bool cluster_fits(int splits) {
   return false;
 }
 
-template <typename T, int D, int W>
+template <typename T, int D, int W, typename KV>
 cudaError_t launch_split(const DecodeParams& p, dim3 grid, int smem_bytes, bool cluster, cudaStream_t stream) {
   using S = Shape<D, W>;
   cudaLaunchConfig_t config = {};
@@ -82,14 +82,14 @@ cudaError_t launch_split(const DecodeParams& p, dim3 grid, int smem_bytes, bool 
   ++n;
   config.attrs = attr;
   config.numAttrs = n;
-  return cudaLaunchKernelEx(&config, split_kernel<T, D, W>, p);
+  return cudaLaunchKernelEx(&config, split_kernel<T, D, W, KV>, p);
 }
 
-template <typename T, int D, int W>
+template <typename T, int D, int W, typename KV>
 cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   using S = Shape<D, W>;
   static uint64_t smem_raised = 0;
-  cudaError_t err = allow_dynamic_smem(split_kernel<T, D, W>, kMaxSmemBytes, smem_raised);
+  cudaError_t err = allow_dynamic_smem(split_kernel<T, D, W, KV>, kMaxSmemBytes, smem_raised);
   if (err != cudaSuccess) return err;
   DecodeParams p = params;
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -126,18 +126,27 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   // pages (9/3/64 B=64 M=4096: 52.2 against 54.9 us); lone blocks are slower so.
   const int whole = min(p.block_size, S::kTile);
   p.copy_rows = blocks > sms && whole % 16 == 0 ? 16 : whole;
-  p.ring_stages = p.three_per_sm ? kMinStages : kStages;
-  const int past = past_ring(p);
+  p.ring_stages = (p.three_per_sm ? kMinStages : kStages) * stages_per_tile_bytes<KV>();
+  const int past = past_ring<KV>(p);
   const int rows = group < kRows ? group : kRows;
   const int recv_bytes = kRecvLseBytes + p.num_splits * rows * D * 4;
   p.cluster = wants_cluster && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
-              past + recv_bytes <= kMaxSmemBytes && cluster_fits<T, D, W>(p.num_splits);
+              past + recv_bytes <= kMaxSmemBytes && cluster_fits<T, D, W, KV>(p.num_splits);
   if (wants_cluster && !p.cluster && p.num_splits > 1) p.trigger_at_loads = false;  // the merge kernel serves
   int smem = past + (p.cluster ? recv_bytes : 0);
   if (spread) smem = max(smem, S::kSpreadSmemBytes);  // no SM can take two of its blocks
-  err = launch_split<T, D, W>(p, grid, smem, p.cluster, stream);
+  err = launch_split<T, D, W, KV>(p, grid, smem, p.cluster, stream);
   if (err != cudaSuccess || p.num_splits == 1 || p.cluster) return err;
   return launch_pdl(merge_kernel<T, D>, dim3(p.num_q_heads, p.batch), dim3(kMergeThreads), 0, stream, p);
+}
+
+// KV: T, or __nv_fp8_e4m3 for fp8 caches.
+template <typename T, typename KV>
+cudaError_t launch_head_dim(const DecodeParams& p, bool wide, cudaStream_t stream) {
+  if (p.head_dim == 64) return wide ? launch_typed<T, 64, 32, KV>(p, stream) : launch_typed<T, 64, 16, KV>(p, stream);
+  if (p.head_dim == 128) return launch_typed<T, 128, 16, KV>(p, stream);
+  if (p.head_dim == 256) return launch_typed<T, 256, 16, KV>(p, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
@@ -149,17 +158,12 @@ cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
   // more heads keep eight warps, which hold the padding rows' softmax state.
   const bool wide = p.head_dim == kWideWarpHeadDim && p.num_q_heads / p.num_kv_heads <= kWideWarpMaxGroup;
   if (p.three_per_sm && !(wide && p.num_splits == 2)) return cudaErrorInvalidValue;
-  if (p.dtype == DType::kBFloat16) {
-    if (p.head_dim == 64)
-      return wide ? launch_typed<__nv_bfloat16, 64, 32>(p, stream) : launch_typed<__nv_bfloat16, 64, 16>(p, stream);
-    if (p.head_dim == 128) return launch_typed<__nv_bfloat16, 128, 16>(p, stream);
-    if (p.head_dim == 256) return launch_typed<__nv_bfloat16, 256, 16>(p, stream);
-  } else {
-    if (p.head_dim == 64) return wide ? launch_typed<__half, 64, 32>(p, stream) : launch_typed<__half, 64, 16>(p, stream);
-    if (p.head_dim == 128) return launch_typed<__half, 128, 16>(p, stream);
-    if (p.head_dim == 256) return launch_typed<__half, 256, 16>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  const bool fp8 = p.kv_dtype == KvDType::kFp8E4m3;
+  if (fp8 != (p.k_scale != nullptr) || fp8 != (p.v_scale != nullptr)) return cudaErrorInvalidValue;
+  if (p.dtype == DType::kBFloat16)
+    return fp8 ? launch_head_dim<__nv_bfloat16, __nv_fp8_e4m3>(p, wide, stream)
+               : launch_head_dim<__nv_bfloat16, __nv_bfloat16>(p, wide, stream);
+  return fp8 ? launch_head_dim<__half, __nv_fp8_e4m3>(p, wide, stream) : launch_head_dim<__half, __half>(p, wide, stream);
 }
 
 }  // namespace flashdecode

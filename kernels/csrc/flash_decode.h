@@ -52,6 +52,11 @@ constexpr bool supported_block_size(int64_t block_size) {
 }
 
 enum class DType : int { kBFloat16 = 0, kHalf = 1 };
+// The KV cache's element type: the query's own (bf16 or fp16), or float8_e4m3fn codes that
+// dequantise as code * scale, one float32 scale per KV head for K and one for V.
+enum class KvDType : int { kSameAsQuery = 0, kFp8E4m3 = 1 };
+// The largest magnitude an e4m3 code holds: quantising writes saturate to it.
+constexpr float kFp8E4m3Max = 448.f;
 
 struct DecodeParams {
   const void* q;                  // [B, Hq, D]; last dim contiguous, strides in elements
@@ -85,6 +90,10 @@ struct DecodeParams {
                                   // has finished (else at entry)
 
   int window;                     // sliding window: positions >= seq_len - window only (0: every position)
+
+  KvDType kv_dtype;               // kFp8E4m3: the caches hold e4m3 codes, dequantised with the scales
+  const float* k_scale;           // [Hkv] float32 on the device (fp8 caches only, else null)
+  const float* v_scale;
 };
 
 struct WriteKvParams {
@@ -97,7 +106,12 @@ struct WriteKvParams {
   bool slots_are_int64;
   int64_t num_tokens, num_slots;  // num_slots = num_blocks * block_size
   int num_kv_heads, block_size;
-  int row_bytes;                  // D * element size, a multiple of 16
+  int row_bytes;                  // D * the cache's element size, a multiple of 16 (8 for fp8 caches)
+
+  KvDType kv_dtype;               // kFp8E4m3: key/value (of src_dtype) are quantised as x / scale,
+  DType src_dtype;                // saturated to +-kFp8E4m3Max
+  const float* k_scale;           // [Hkv] float32 on the device (fp8 caches only, else null)
+  const float* v_scale;
 };
 
 cudaError_t launch_flash_decode(const DecodeParams& params, cudaStream_t stream);

@@ -3,10 +3,12 @@
 // follows the reference model's bf16 arithmetic instead of drifting from it.
 
 #include <algorithm>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "fp8.cuh"
 #include "launch.h"
 #include "layer_ops.h"
 
@@ -117,10 +119,20 @@ __global__ void act_and_mul_kernel(SiluMulParams p) {
   }
 }
 
+// A cache element: the value itself, or for fp8 caches its e4m3 code at ``scale``.
+template <typename T, typename KV>
+__device__ __forceinline__ KV to_cache(T v, const float* scales, int kv_head) {
+  if constexpr (std::is_same_v<T, KV>)
+    return v;
+  else
+    return quantize_fp8(to_float(v), __ldg(scales + kv_head));
+}
+
 // One block per token: RMS-normalises its query and key heads in place when the params carry
 // their weights (one warp per head), rotates them in place (rotate-half convention), then stores
-// the rotated key and the value at the token's cache slot.
-template <typename T>
+// the rotated key and the value at the token's cache slot. KV: T, or uint8_t for fp8 caches,
+// which store the rounded values' codes (as write_kv would store them).
+template <typename T, typename KV>
 __global__ void rope_write_kv_kernel(RopeKvParams p) {
   pdl_trigger_then_wait();
   const int64_t t = blockIdx.x;
@@ -131,11 +143,11 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
   const int64_t slot = p.slots_are_int64 ? static_cast<const int64_t*>(p.slot_mapping)[t]
                                          : static_cast<const int32_t*>(p.slot_mapping)[t];
   const int64_t block = slot / p.block_size, offset = slot % p.block_size;
-  auto cache_row = [&](T* cache, int kv_head) {
+  auto cache_row = [&](KV* cache, int kv_head) {
     return cache + ((block * p.num_kv_heads + kv_head) * p.block_size + offset) * d;
   };
-  T* k_cache = static_cast<T*>(p.k_cache);
-  T* v_cache = static_cast<T*>(p.v_cache);
+  KV* k_cache = static_cast<KV*>(p.k_cache);
+  KV* v_cache = static_cast<KV*>(p.v_cache);
 
   if (p.q_norm != nullptr) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -161,14 +173,15 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
     h[j] = y1;
     h[j + half] = y2;
     if (head >= p.num_q_heads && slot >= 0) {
-      T* dst = cache_row(k_cache, head - p.num_q_heads);
-      dst[j] = y1;
-      dst[j + half] = y2;
+      KV* dst = cache_row(k_cache, head - p.num_q_heads);
+      dst[j] = to_cache<T, KV>(y1, p.k_scale, head - p.num_q_heads);
+      dst[j + half] = to_cache<T, KV>(y2, p.k_scale, head - p.num_q_heads);
     }
   }
   if (slot < 0) return;
   const T* value = row + (p.num_q_heads + p.num_kv_heads) * d;
-  for (int i = threadIdx.x; i < p.num_kv_heads * d; i += blockDim.x) cache_row(v_cache, i / d)[i % d] = value[i];
+  for (int i = threadIdx.x; i < p.num_kv_heads * d; i += blockDim.x)
+    cache_row(v_cache, i / d)[i % d] = to_cache<T, KV>(value[i], p.v_scale, i / d);
 }
 
 // y = x W^T for a few rows (a decode step's batch): latency, not arithmetic, bounds these, and
@@ -290,9 +303,14 @@ cudaError_t launch_silu_and_mul(const SiluMulParams& p, cudaStream_t stream) {
 cudaError_t launch_rope_write_kv(const RopeKvParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>(p.num_tokens);
-  return p.dtype == DType::kBFloat16
-             ? launch_pdl(rope_write_kv_kernel<__nv_bfloat16>, dim3(blocks), dim3(kThreads), 0, stream, p)
-             : launch_pdl(rope_write_kv_kernel<__half>, dim3(blocks), dim3(kThreads), 0, stream, p);
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  if (p.kv_dtype == KvDType::kFp8E4m3) {
+    if (p.k_scale == nullptr || p.v_scale == nullptr) return cudaErrorInvalidValue;
+    return bf16 ? launch_pdl(rope_write_kv_kernel<__nv_bfloat16, uint8_t>, dim3(blocks), dim3(kThreads), 0, stream, p)
+                : launch_pdl(rope_write_kv_kernel<__half, uint8_t>, dim3(blocks), dim3(kThreads), 0, stream, p);
+  }
+  return bf16 ? launch_pdl(rope_write_kv_kernel<__nv_bfloat16, __nv_bfloat16>, dim3(blocks), dim3(kThreads), 0, stream, p)
+              : launch_pdl(rope_write_kv_kernel<__half, __half>, dim3(blocks), dim3(kThreads), 0, stream, p);
 }
 
 }  // namespace flashdecode

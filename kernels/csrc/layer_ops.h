@@ -51,6 +51,9 @@ struct RopeKvParams {
   int64_t num_tokens;
   int num_q_heads, num_kv_heads, head_dim, block_size;
   DType dtype;
+  KvDType kv_dtype;          // kFp8E4m3: the rotated key and the value are stored quantised (x / scale,
+  const float* k_scale;      // saturated), one [Hkv] float32 scale each on the device; else null
+  const float* v_scale;
 };
 
 struct GemvParams {

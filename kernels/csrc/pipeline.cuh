@@ -8,6 +8,12 @@
 // elements may be fed to the MMA in any order that Q's fragments follow as well; for P V the
 // head dimension is the output column, so V's 8x8 pieces are transposed with movmatrix and the
 // output columns land in a known permutation (each thread ends up owning 8 contiguous columns).
+//
+// FP8 caches (KV = __nv_fp8_e4m3): a stage holds the same tokens in half the bytes and the ring
+// twice the stages, so the same bytes are in flight. A thread's 16-byte load then holds 16 codes,
+// the columns of two 8-column groups (fragment_col); they become fp16 in registers (fp8.cuh) and
+// the MMAs run in fp16 whatever q's type, the K and V scales folded into the score scale and the
+// epilogue's normalisation. Accumulation is in FP32 as for bf16 caches.
 #pragma once
 
 #include "common.cuh"
@@ -49,6 +55,78 @@ struct Shape {
   static constexpr bool kLateV = D > 128;
 };
 
+// FP8 caches: stages of half the bytes, twice as many (the same bytes in flight).
+template <typename KV>
+__host__ __device__ constexpr int stage_bytes() { return kStageBytes * (int)sizeof(KV) / 2; }
+template <typename KV>
+__host__ __device__ constexpr int stages_per_tile_bytes() { return 2 / (int)sizeof(KV); }
+
+template <typename KV>
+constexpr bool is_fp8() { return sizeof(KV) == 1; }
+
+// The MMAs' element type: q's, or fp16 for fp8 caches (whose codes convert to fp16 exactly).
+template <typename T, typename KV>
+using MmaType = std::conditional_t<is_fp8<KV>(), __half, T>;
+
+// The first of the 8 head-dim columns that this thread's fragments of group j (32 columns per
+// group) cover, for q, K and V alike: one 16-byte load holds one group of 2-byte elements, or
+// two groups of fp8 codes.
+template <typename KV>
+__device__ __forceinline__ int fragment_col(int j, int qd) {
+  if constexpr (is_fp8<KV>())
+    return 64 * (j / 2) + 16 * qd + 8 * (j % 2);
+  else
+    return 32 * j + 8 * qd;
+}
+
+// This thread's fragments of one cache row (8 MMA elements per group), from shared memory.
+template <typename KV, int D>
+__device__ __forceinline__ void load_row(const KV* row, int qd, uint4 (&f)[D / 32]) {
+  if constexpr (is_fp8<KV>()) {
+#pragma unroll
+    for (int j = 0; j < D / 32; j += 2) {
+      const uint4 codes = *reinterpret_cast<const uint4*>(row + fragment_col<KV>(j, qd));
+      const uint2 a = fp8x4_to_half2x2(codes.x), b = fp8x4_to_half2x2(codes.y);
+      const uint2 c = fp8x4_to_half2x2(codes.z), d = fp8x4_to_half2x2(codes.w);
+      f[j] = make_uint4(a.x, a.y, b.x, b.y);
+      f[j + 1] = make_uint4(c.x, c.y, d.x, d.y);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) f[j] = *reinterpret_cast<const uint4*>(row + fragment_col<KV>(j, qd));
+  }
+}
+
+// This thread's fragment of group j of one cache row alone (the late V reads at D=256): for fp8
+// caches the group's 8 codes are half of load_row's 16-byte load.
+template <typename KV>
+__device__ __forceinline__ uint4 load_group(const KV* row, int j, int qd) {
+  if constexpr (is_fp8<KV>()) {
+    const uint2 codes = *reinterpret_cast<const uint2*>(row + fragment_col<KV>(j, qd));
+    const uint2 a = fp8x4_to_half2x2(codes.x), b = fp8x4_to_half2x2(codes.y);
+    return make_uint4(a.x, a.y, b.x, b.y);
+  } else {
+    return *reinterpret_cast<const uint4*>(row + fragment_col<KV>(j, qd));
+  }
+}
+
+// Eight of q's elements as MMA elements: as they are, or bf16 -> fp16 for fp8 caches (rounded to
+// nearest, saturated to fp16's range).
+template <typename T, typename M>
+__device__ __forceinline__ uint4 to_mma(uint4 x) {
+  if constexpr (std::is_same_v<T, M>) {
+    return x;
+  } else {
+    uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+      w[i] = Elem<__half>::pack(fminf(fmaxf(f.x, -65504.f), 65504.f), fminf(fmaxf(f.y, -65504.f), 65504.f));
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 // The next tile's place in the ring of shared-memory stages: its stage, and how often the ring
 // has wrapped (the parity of the stage's barrier phase).
 struct RingSlot {
@@ -59,9 +137,9 @@ struct RingSlot {
   }
 };
 
-template <typename T, int D>
+template <typename KV, int D>
 __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
-                                        T* stages, uint64_t* full, uint64_t* empty) {
+                                        KV* stages, uint64_t* full, uint64_t* empty) {
   constexpr int kTile = tile_tokens(D);
   const int lane = threadIdx.x % 32;
   const int bs = p.block_size;
@@ -73,8 +151,8 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   const int32_t* table = p.block_table + (int64_t)w.b * p.block_table_stride;
   const int64_t block_elems = (int64_t)p.num_kv_heads * bs * D;
   const int64_t head_elems = (int64_t)w.kv_head * bs * D;
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const KV* k_cache = static_cast<const KV*>(p.k_cache);
+  const KV* v_cache = static_cast<const KV*>(p.v_cache);
 
   // Block ids of pages [base, base + 64), one per lane in cur and next; 0 past the last page. A
   // tile's pages never straddle base + 32 (a tile is a whole number of pages, or part of one, and
@@ -84,7 +162,7 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   int cur = fetch(base + lane), next = fetch(base + 32 + lane);
   // With read_ahead, the first tiles are asked for before the predecessor has finished: every one
   // but a tile holding row len - 1, which the predecessor may still be writing.
-  const int fill = min(kReadAheadTiles, slot.stages);
+  const int fill = min(kReadAheadTiles * stages_per_tile_bytes<KV>(), slot.stages);  // the same bytes
   const int ahead = p.read_ahead ? min(fill, n_tiles - (w.end == w.len ? 1 : 0)) : 0;
   for (int i = 0; i < n_tiles; ++i, slot.advance()) {
     if (i == ahead) pdl_wait();
@@ -101,13 +179,13 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
     const int page = first_token / bs;
     const int block = min(max(__shfl_sync(0xffffffffu, cur, (page - base) & 31), 0), p.num_blocks - 1);
     const int rows = lane < copies ? max(0, min(copy_rows, w.len - first_token)) : 0;
-    const uint32_t bytes = rows * D * (uint32_t)sizeof(T);
+    const uint32_t bytes = rows * D * (uint32_t)sizeof(KV);
     const uint32_t stage_bytes = 2 * __reduce_add_sync(0xffffffffu, bytes);
     if (lane == 0) mbar_arrive_expect_tx(&full[stage], stage_bytes);
     __syncwarp();
     if (rows > 0) {
       const int64_t src = block * block_elems + head_elems + (int64_t)(first_token - page * bs) * D;
-      T* k_dst = stages + (int64_t)stage * 2 * kTile * D + lane * copy_rows * D;
+      KV* k_dst = stages + (int64_t)stage * 2 * kTile * D + lane * copy_rows * D;
       bulk_load(k_dst, k_cache + src, bytes, &full[stage]);
       bulk_load(k_dst + kTile * D, v_cache + src, bytes, &full[stage]);
     }
@@ -142,13 +220,15 @@ __device__ __forceinline__ float softmax_step(float& m, float& l, float (&x)[N])
 // One consumer warp's pass over the split: online softmax state (m, l) per query-head row
 // (this thread's rows r and r + 8) and the output fragments o, unnormalised. The warp owns W
 // tokens of each tile, in pieces of 8 (h); P V takes them 16 at a time (kk). Without kHi the
-// block serves at most eight query heads: rows r + 8 are padding and get no softmax work.
-template <typename T, int D, int W, bool kHi>
+// block serves at most eight query heads: rows r + 8 are padding and get no softmax work. With
+// fp8 caches o holds P V' for V' = V / (v_scale * kFp8Unbias): the epilogue scales it back.
+template <typename T, typename KV, int D, int W, bool kHi>
 __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
-                                        const T* stages,
+                                        const KV* stages,
                                         uint64_t* full, uint64_t* empty, float (&o)[D / 32][4][4], float& m_lo,
                                         float& m_hi, float& l_lo, float& l_hi) {
   using S = Shape<D, W>;
+  using M = MmaType<T, KV>;
   constexpr int kTile = S::kTile, kPieces = W / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, qd = lane % 4;
@@ -157,20 +237,22 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
   uint4 q_lo[S::kGroups], q_hi[S::kGroups];
 #pragma unroll
   for (int j = 0; j < S::kGroups; ++j) {
-    const int col = 32 * j + 8 * qd;
-    q_lo[j] = r < w.rows ? __ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r) * p.q_stride_h + col)) : zero;
+    const int col = fragment_col<KV>(j, qd);
+    q_lo[j] = r < w.rows ? to_mma<T, M>(__ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r) * p.q_stride_h + col)))
+                         : zero;
     q_hi[j] = kHi && r + 8 < w.rows
-                  ? __ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r + 8) * p.q_stride_h + col))
+                  ? to_mma<T, M>(__ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r + 8) * p.q_stride_h + col)))
                   : zero;
   }
-  const float scale_log2 = p.scale * kLog2e;
+  float scale_log2 = p.scale * kLog2e;
+  if constexpr (is_fp8<KV>()) scale_log2 *= __ldg(p.k_scale + w.kv_head) * kFp8Unbias;
 
   for (int i = 0; i < n_tiles; ++i, slot.advance()) {
     const int stage = slot.stage;
     const int t_warp = w.start + i * kTile + warp * W;
     mbar_wait(&full[stage], slot.round & 1);
-    const T* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * W * D;
-    const T* v_tile = k_tile + kTile * D;
+    const KV* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * W * D;
+    const KV* v_tile = k_tile + kTile * D;
     if (t_warp >= w.end || t_warp + W <= w.first) {  // none of this warp's tokens is attended
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[stage]);
@@ -180,20 +262,18 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
 #pragma unroll
     for (int h = 0; h < kPieces; ++h) {
       s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
+      uint4 k[S::kGroups];
+      load_row<KV, D>(k_tile + (8 * h + r) * D, qd, k);
 #pragma unroll
       for (int j = 0; j < S::kGroups; ++j) {
-        const uint4 k = *reinterpret_cast<const uint4*>(k_tile + (8 * h + r) * D + 32 * j + 8 * qd);
-        Elem<T>::mma(s[h], q_lo[j].x, q_hi[j].x, q_lo[j].y, q_hi[j].y, k.x, k.y);
-        Elem<T>::mma(s[h], q_lo[j].z, q_hi[j].z, q_lo[j].w, q_hi[j].w, k.z, k.w);
+        Elem<M>::mma(s[h], q_lo[j].x, q_hi[j].x, q_lo[j].y, q_hi[j].y, k[j].x, k[j].y);
+        Elem<M>::mma(s[h], q_lo[j].z, q_hi[j].z, q_lo[j].w, q_hi[j].w, k[j].z, k[j].w);
       }
     }
     uint4 v[kPieces][S::kGroups];
     if constexpr (!S::kLateV) {
 #pragma unroll
-      for (int h = 0; h < kPieces; ++h)
-#pragma unroll
-        for (int j = 0; j < S::kGroups; ++j)
-          v[h][j] = *reinterpret_cast<const uint4*>(v_tile + (8 * h + r) * D + 32 * j + 8 * qd);
+      for (int h = 0; h < kPieces; ++h) load_row<KV, D>(v_tile + (8 * h + r) * D, qd, v[h]);
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[stage]);
     }
@@ -233,10 +313,10 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
     uint32_t pa[W / 16][4];  // P as the A fragments of each 16 tokens
 #pragma unroll
     for (int kk = 0; kk < W / 16; ++kk) {
-      pa[kk][0] = Elem<T>::pack(lo[4 * kk], lo[4 * kk + 1]);
-      pa[kk][1] = kHi ? Elem<T>::pack(hi[4 * kk], hi[4 * kk + 1]) : 0;
-      pa[kk][2] = Elem<T>::pack(lo[4 * kk + 2], lo[4 * kk + 3]);
-      pa[kk][3] = kHi ? Elem<T>::pack(hi[4 * kk + 2], hi[4 * kk + 3]) : 0;
+      pa[kk][0] = Elem<M>::pack(lo[4 * kk], lo[4 * kk + 1]);
+      pa[kk][1] = kHi ? Elem<M>::pack(hi[4 * kk], hi[4 * kk + 1]) : 0;
+      pa[kk][2] = Elem<M>::pack(lo[4 * kk + 2], lo[4 * kk + 3]);
+      pa[kk][3] = kHi ? Elem<M>::pack(hi[4 * kk + 2], hi[4 * kk + 3]) : 0;
     }
 #pragma unroll
     for (int j = 0; j < S::kGroups; ++j) {
@@ -245,7 +325,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
       for (int h = 0; h < kPieces; ++h)
         vj[h] = !S::kLateV ? v[h][j]
                 : dead[h]  ? zero
-                           : *reinterpret_cast<const uint4*>(v_tile + (8 * h + r) * D + 32 * j + 8 * qd);
+                           : load_group<KV>(v_tile + (8 * h + r) * D, j, qd);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         o[j][c][0] *= alpha_lo;
@@ -256,7 +336,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
         }
 #pragma unroll
         for (int kk = 0; kk < W / 16; ++kk)
-          Elem<T>::mma(o[j][c], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3],
+          Elem<M>::mma(o[j][c], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3],
                        transpose8x8(word(vj[2 * kk], c)), transpose8x8(word(vj[2 * kk + 1], c)));
       }
     }

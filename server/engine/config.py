@@ -4,6 +4,7 @@ from kernels.paging import DEFAULT_BLOCK_SIZE
 
 
 DEFAULT_PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096)
+KV_CACHE_DTYPES = ("auto", "fp8")        # auto: the model's dtype; fp8: float8_e4m3fn with scales
 
 
 @dataclass
@@ -30,6 +31,16 @@ class EngineConfig:
     # max_prefill_tokens are dropped.
     prefill_graph_buckets: tuple[int, ...] | None = None
     prefill_graph_max_seqs: int = 64
+    kv_cache_dtype: str = "auto"             # KV_CACHE_DTYPES
+    # fp8: a JSON file of the scales (models.kv_scales); None calibrates them at start-up
+    kv_scales_path: str | None = None
+
+    def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_scales_path is not None and self.kv_cache_dtype != "fp8":
+            raise ValueError(f"kv_scales_path {self.kv_scales_path!r} is for kv_cache_dtype 'fp8', "
+                             f"not {self.kv_cache_dtype!r}")
 
     def prefill_buckets(self, on_gpu: bool) -> tuple[int, ...]:
         if self.prefill_graph_buckets is None:

@@ -14,11 +14,13 @@ import numpy as np
 import torch
 
 import kernels
+from kernels.kv_quant import FP8
 from models import (AttentionBatch, FusedDecoder, LoadedModel, cpu_forward, cpu_unsupported_reason, forward_logits,
                     fused_unsupported_reason, head_dim_of, layer_windows)
 
 from .config import EngineConfig
 from .graphs import capture_graphs
+from .kv_scales import CALIBRATION_TEXT, KvScales, calibrate, calibration_ids, load_scales
 from .pipeline import DecodeInputs, Sampled, StepPipeline
 from .prefill_graphs import PrefillGraphs, key_rows
 from .sampler import SamplingRows, sample
@@ -33,12 +35,20 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
     return per_layer * config.num_hidden_layers
 
 
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: float8_e4m3fn for 'fp8', else the model's dtype."""
+    return FP8 if config.kv_cache_dtype == "fp8" else model_dtype
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int):
         self.model = loaded.model
         self.gguf_path = loaded.gguf_path
         self.device = loaded.device
         self.dtype = loaded.dtype
+        self.kv_dtype = kv_cache_dtype(config, self.dtype)
+        if self.kv_dtype == FP8 and self.device.type == "cuda" and self.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"kv_cache_dtype 'fp8' on CUDA needs a bfloat16 or float16 model, not {self.dtype}")
         self.block_size = config.block_size
         self.max_batch = config.max_batch
         self.max_model_len = max_model_len
@@ -58,11 +68,22 @@ class ModelRunner:
                                            self.device, num_kv_heads=self.num_kv_heads, windows=layer_windows(cfg))
         self.num_blocks = config.num_blocks or self._blocks_from_memory(config)
         shape = kernels.cache_shape(self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(self.num_layers)]
         self._init_decode_buffers()
         self.forward = self._pick_forward(config)
+        # fp8: each layer's (k_scale, v_scale) on the device, set once before any graph captures them
+        self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.scales: KvScales | None = None
+        if self.kv_dtype == FP8:
+            self.scales = self._kv_scales(config, loaded.tokenizer)
+            self.kv_scales = [(self.scales.k[i].to(self.device).contiguous(), self.scales.v[i].to(self.device).contiguous())
+                              for i in range(self.num_layers)]
+            log.info("KV cache float8_e4m3fn, scales per layer and KV head: %s", self.scales.describe())
+        if self.kv_dtype != self.dtype:
+            log.info("KV pool: %d tokens in %d blocks of %d (%s)%s", self.kv_tokens, self.num_blocks, self.block_size,
+                 str(self.kv_dtype).replace("torch.", ""), self._pool_comparison(config))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.prefill_graphs = None
@@ -70,7 +91,7 @@ class ModelRunner:
         if prefill_buckets:
             self.prefill_graphs = PrefillGraphs(self.forward, self.kv_caches, prefill_buckets,
                                                 config.prefill_graph_max_seqs, self.block_size, self.device,
-                                                self.kv_tokens)
+                                                self.kv_tokens, self.kv_scales)
         if self.device.type == "cuda" and config.cuda_graphs:
             self.capture(config.buckets())
             if self.prefill_graphs is not None:
@@ -105,14 +126,33 @@ class ModelRunner:
     def kv_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def _blocks_from_memory(self, config: EngineConfig) -> int:
-        per_block = kv_bytes_per_block(self.model.config, self.block_size, self.dtype)
-        if self.device.type != "cuda":
-            return max(1, config.cpu_kv_cache_tokens // self.block_size)
+    def _kv_scales(self, config: EngineConfig, tokenizer) -> KvScales:
+        if config.kv_scales_path is not None:
+            return load_scales(config.kv_scales_path, self.num_layers, self.num_kv_heads)
+        ids = calibration_ids(tokenizer)[:self.max_model_len]
+        return calibrate(self.forward, ids, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
+                         self.dtype, self.device, CALIBRATION_TEXT.name)
+
+    def _kv_budget(self, config: EngineConfig) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
         in_use = total - free
         activation_reserve = 2 << 30
-        budget = int(total * config.gpu_memory_fraction) - in_use - activation_reserve
+        return int(total * config.gpu_memory_fraction) - in_use - activation_reserve
+
+    def _pool_comparison(self, config: EngineConfig) -> str:
+        """For an fp8 pool sized from memory: the model dtype's pool in the same bytes."""
+        if self.kv_dtype == self.dtype or config.num_blocks or self.device.type != "cuda":
+            return ""
+        per_block = kv_bytes_per_block(self.model.config, self.block_size, self.dtype)
+        ratio = per_block / kv_bytes_per_block(self.model.config, self.block_size, self.kv_dtype)
+        same_bytes = self.num_blocks * self.block_size / ratio
+        return f", {ratio:.0f}x the {int(same_bytes)} tokens of a {str(self.dtype).replace('torch.', '')} pool"
+
+    def _blocks_from_memory(self, config: EngineConfig) -> int:
+        per_block = kv_bytes_per_block(self.model.config, self.block_size, self.kv_dtype)
+        if self.device.type != "cuda":
+            return max(1, config.cpu_kv_cache_tokens // self.block_size)
+        budget = self._kv_budget(config)
         if budget < per_block * self.max_blocks_per_seq:
             raise RuntimeError(f"gpu_memory_fraction {config.gpu_memory_fraction} leaves {budget >> 20} MiB "
                                f"for the KV pool, less than one {self.max_model_len}-token sequence")
@@ -132,7 +172,8 @@ class ModelRunner:
 
     def _decode_batch(self, rows: int) -> AttentionBatch:
         return AttentionBatch(self.kv_caches, self.slots[:rows], self.block_tables[:rows],
-                              self.seq_lens[:rows], is_decode=True, workspace=self.workspace)
+                              self.seq_lens[:rows], is_decode=True, workspace=self.workspace,
+                              kv_scales=self.kv_scales)
 
     def _decode_forward(self, rows: int) -> torch.Tensor:
         return self.forward(self.input_ids[:rows], self.positions[:rows], self._decode_batch(rows))
@@ -231,7 +272,8 @@ class ModelRunner:
                                is_decode=False, workspace=self.workspace,
                                query_starts=starts, context_lens=contexts,
                                cu_query_starts=to_dev(starts) if on_gpu else None,
-                               max_query_len=max(b - a for a, b in zip(starts, starts[1:])), **context)
+                               max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+                               kv_scales=self.kv_scales, **context)
         last_rows = to_dev([s - 1 for s in starts[1:]])
         return self.forward(to_dev(ids).unsqueeze(0), to_dev(positions).unsqueeze(0),
                               batch, logits_rows=last_rows)

@@ -44,9 +44,10 @@ def key_rows(chunks, block_size: int) -> tuple[np.ndarray, np.ndarray, list[int]
 
 class PrefillGraphs:
     def __init__(self, forward, kv_caches, buckets, max_seqs: int, block_size: int, device: torch.device,
-                 pool_tokens: int):
+                 pool_tokens: int, kv_scales=None):
         self.forward = forward                    # forward_logits' contract, the model bound
         self.kv_caches = kv_caches
+        self.kv_scales = kv_scales                # fp8 caches: each layer's (k_scale, v_scale)
         self.buckets = tuple(sorted(buckets))
         # key rows are at most the pool's tokens and the padding rows
         most = pool_tokens + self.buckets[-1]
@@ -94,7 +95,7 @@ class PrefillGraphs:
                                is_decode=False, query_starts=query_starts,
                                context_lens=None if query_starts is None else [0] * (len(query_starts) - 1),
                                cu_query_starts=self.starts if on_gpu else None,
-                               max_query_len=length, **context)
+                               max_query_len=length, kv_scales=self.kv_scales, **context)
         return self.forward(self.ids[:, :length], self.positions[:, :length], batch, logits_rows=self.last_rows)
 
     def shapes(self) -> list[tuple[int, int]]:

@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one command, logs under $OUT and a short table last.
 #
 #   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench]
-#       [http] [prefix] [window] [arch-tests] [arch]
+#       [http] [prefix] [window] [arch-tests] [arch] [fp8]
 #
 # arch-tests: the GPU tests of the small architectures' presets (fused and transformers' layers
 # against fp32) and of the layer ops they use. arch: load_tests.arch_bench over every preset
@@ -11,7 +11,9 @@
 # HTTP_WORKER_COUNTS="1 4" runs the HTTP load test once per API worker count (default: the server's auto).
 # (Not API_WORKERS: the server reads that one itself.) LOADGEN_WORKERS: client processes (default 8;
 # at 256 streams 4 of them ran at about 90 % CPU each and set the pace).
-# GPU_TESTS narrows the tests stage (pytest paths); KERNEL_BENCH_ARGS go to kernels.bench.
+# GPU_TESTS narrows the tests stage (pytest paths); KERNEL_BENCH_ARGS go to kernels.bench (both stages).
+# fp8: the fp8 KV cache's GPU tests, its accuracy on the real SmolLM2 weights, the kernel grid with
+# an fp8 column and the engine's decode step alone with either cache.
 # With no stage named, all run. On a host without the web stack, wheels in .whl/ are installed
 # first (see the README's GPU section).
 set -uo pipefail
@@ -24,7 +26,7 @@ if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix window arch-tests arch}
+stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix window arch-tests arch fp8}
 want() { [[ " $stages " == *" $1 "* ]]; }
 summary=()
 t0=$(date +%s)
@@ -98,6 +100,26 @@ if want arch; then
   timeout 560 python3 -m load_tests.arch_bench --device cuda ${ARCH_PRESETS:+--presets $ARCH_PRESETS} \
       --out "$OUT/arch" 2>&1 | tee "$OUT/arch_bench.log" | grep -v '^{' | grep -vE '^[0-9]{4}-' | tail -30
   summary+=("arch benchmark: $OUT/arch/arch_bench.md")
+fi
+if want fp8; then
+  stamp "fp8 KV cache: GPU tests"
+  timeout 400 python3 -m pytest -q -m gpu tests/gpu/test_kv_fp8_cuda.py -p no:cacheprovider -rs 2>&1 \
+      | tee "$OUT/fp8_tests.log" | tail -25
+  summary+=("fp8 tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/fp8_tests.log" | tail -1)")
+  stamp "fp8 KV cache: accuracy on SmolLM2-135M-Instruct (teacher-forced, greedy Paris)"
+  timeout 300 python3 -m load_tests.kv_accuracy --device cuda --out "$OUT/fp8_accuracy.json" 2>&1 \
+      | tee "$OUT/fp8_accuracy.log" | grep -v INFO | tail -8
+  summary+=("fp8 accuracy: $(grep -E 'agreement' "$OUT/fp8_accuracy.log" | tail -1) /$(grep -E 'mean KL' "$OUT/fp8_accuracy.log" | tail -1) /$(grep -E 'targets' "$OUT/fp8_accuracy.log" | tail -1)")
+  stamp "fp8 KV cache: kernel grid, ours fp8 vs ours bf16 vs cuDNN bf16"
+  mkdir -p "$OUT/fp8_kernel"
+  timeout 480 python3 -m kernels.bench --fp8 --peers cudnn --out "$OUT/fp8_kernel" ${KERNEL_BENCH_ARGS:-} 2>&1 \
+      | tee "$OUT/fp8_kernel_bench.log" | tail -36
+  while read -r line; do summary+=("fp8 kernel: $line"); done < <(grep -E '^(min|geomean) fp8' "$OUT/fp8_kernel_bench.log")
+  stamp "fp8 KV cache: engine decode step alone, bf16 vs fp8 cache"
+  timeout 420 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m --kv-cache-dtype auto fp8 \
+      --decode-step 8:32768 256:4096 1:128 --repeats 3 --out "$OUT/fp8_decode_step.json" 2>&1 \
+      | tee "$OUT/fp8_decode_step.log" | grep -E '^\||decode step alone|KV pool|scales' | tail -12
+  while read -r line; do summary+=("fp8 decode step: $line"); done < <(grep -E '^\| [0-9]' "$OUT/fp8_decode_step.log")
 fi
 stamp "done"
 printf '%s\n' "${summary[@]}"
