@@ -258,3 +258,12 @@ def test_fp8_cache_under_the_fused_decoder_with_windows_head_dim_256_and_qk_norm
         logits.append(runner_teacher_forced(runner, ids[:window + 90], ids[window + 90:]).log_softmax(-1))
     float_lp, fp8_lp = logits
     assert (float_lp.exp() * (float_lp - fp8_lp)).sum(-1).mean().item() <= 0.01
+
+
+def test_the_engine_refuses_fp8_where_the_cuda_kernel_reads_it_slower_than_bf16():
+    from server.engine.model_runner import check_fp8_serves
+    with pytest.raises(ValueError, match="head_dim 256"):
+        check_fp8_serves(torch.device("cuda"), 256)
+    check_fp8_serves(torch.device("cuda"), 128)
+    check_fp8_serves(torch.device("cuda"), 64)
+    check_fp8_serves(torch.device("cpu"), 256)          # the CPU reference has no such slow path
