@@ -24,6 +24,7 @@ class DecodePlan:
     slot_blocks: torch.Tensor    # [B] the new token's block
     slot_rows: torch.Tensor      # [B] and its row in it
     first_block: int | None = None   # one sequence whose blocks are consecutive from this one: read in place
+    slot: tuple[int, int] | None = None  # one sequence: its new token's (block, row) as host ints
 
     @classmethod
     def make(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
@@ -47,7 +48,10 @@ class DecodePlan:
             first = int(block_ids[0])
             if n == 1 or bool((block_ids == torch.arange(first, first + n)).all()):
                 first_block = first
-        return cls(block_ids, bias, has_empty, slots // block_size, slots % block_size, first_block)
+        slot = None
+        if slots.shape[0] == 1:
+            slot = divmod(int(slots[0]), block_size)
+        return cls(block_ids, bias, has_empty, slots // block_size, slots % block_size, first_block, slot)
 
     @classmethod
     def _windowed(cls, block_tables, seq_lens, slots, block_size, window) -> "DecodePlan":
@@ -68,6 +72,11 @@ class DecodePlan:
 def write_new_kv(k_cache, v_cache, key, value, plan: DecodePlan, k_scale=None, v_scale=None) -> None:
     """Store a decode step's ``key/value [B, Hkv, D]`` (every row a real token); fp8 caches
     store them quantised at ``k_scale``/``v_scale``."""
+    if k_scale is None and plan.slot is not None:
+        block, row = plan.slot           # one row: a copy into a view, not an index_put
+        k_cache[block, :, row].copy_(key[0])
+        v_cache[block, :, row].copy_(value[0])
+        return
     if k_scale is not None:
         key, value = quantize(key, k_scale), quantize(value, v_scale)
     k_cache[plan.slot_blocks, :, plan.slot_rows] = key.to(k_cache.dtype)
@@ -93,21 +102,30 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k, v = k.view(split), v.view(split)                                  # [B, n, Hkv, bs, D]
     if scale != 1.0:
         q = q * scale
+    # batched over (sequence, split, KV head) with torch.bmm: matmul's broadcasting costs more
+    # than these small products (docs/cpu.md, Profile)
+    n, block_size = k.shape[1], k.shape[3]
     qg = q.to(k.dtype).view(batch, 1, num_kv_heads, -1, head_dim)
-    scores = qg @ k.transpose(-1, -2)                                     # [B, n, Hkv, G, bs]
+    group = qg.shape[3]
+    qb = qg.expand(batch, n, num_kv_heads, group, head_dim).reshape(-1, group, head_dim)
+    scores = torch.bmm(qb, k.reshape(-1, block_size, head_dim).transpose(1, 2))
+    scores = scores.view(batch, n, num_kv_heads, group, block_size)      # [B, n, Hkv, G, bs]
     if plan.bias is not None:
         scores += plan.bias
     m = scores.amax(dim=-1, keepdim=True)
     if plan.has_empty:
         m = torch.nan_to_num(m, neginf=0.0)                               # an empty split's m is -inf
-    p = torch.exp(scores - m)
+    p = scores.sub_(m).exp_()                                             # in place: scores are not read again
     l = p.sum(dim=-1, keepdim=True)
     if plan.has_empty:
         l = l.clamp_min(torch.finfo(l.dtype).tiny)                        # and its l is 0
-    o = (p @ v) / l                                                       # [B, n, Hkv, G, D]
+    o = torch.bmm(p.view(-1, group, block_size), v.reshape(-1, block_size, head_dim))
+    o = o.view(batch, n, num_kv_heads, group, head_dim)                  # [B, n, Hkv, G, D], unnormalised
     if o.shape[1] > 1:
+        # each split's partial o / l, weighted by softmax over the splits' log-sum-exps; the
+        # division by l is folded into the weights ([B, n, Hkv, G, 1]: D times fewer divisions)
         lse = m + torch.log(l)                                            # -inf for an empty split
-        o = (torch.softmax(lse, dim=1) * o).sum(dim=1)
+        o = (o * torch.softmax(lse, dim=1).div_(l)).sum(dim=1)
     else:
-        o = o[:, 0]
+        o = o[:, 0].div_(l[:, 0])
     return o.reshape(batch, num_q_heads, head_dim)

@@ -61,6 +61,12 @@ class CpuLlama:
         # a decode step folds the attention scale into the query heads' rotation (exact for D = 64)
         self.qk_scale = torch.tensor([self.scale] * self.num_q_heads + [1.0] * self.num_kv_heads).view(-1, 1)
         self.parallel_bytes = decode_parallel_bytes()
+        # one-row float32 norms as x * rsqrt(x . x + H eps) * (w sqrt(H)): an addmm and three
+        # element-wise ops instead of rms_norm's reductions and a cast (docs/cpu.md, Profile)
+        root = float(self.hidden) ** 0.5
+        self.norm_eps = torch.full((1, 1), self.eps * self.hidden)
+        self.scaled_norms = {id(w): w.float() * root for layer in layers for w in (layer[0], layer[3])}
+        self.scaled_norms[id(final_norm)] = final_norm.float() * root
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
@@ -100,8 +106,7 @@ class CpuLlama:
         for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(self.layers):
             k_cache, v_cache = batch.kv_caches[i]
             k_scale, v_scale = batch.layer_scales(i)
-            x = F.rms_norm(residual, (self.hidden,), norm_in, self.eps)
-            qkv = matmul(qkv_proj, x.to(qkv_proj.act_dtype))
+            qkv = matmul(qkv_proj, self._norm(residual, norm_in, qkv_proj.act_dtype))
             qk = torch.view_as_complex(qkv[:, :(hq + hkv) * d].float().view(tokens, hq + hkv, d // 2, 2))
             qk = torch.view_as_real(qk * rotary).view(tokens, hq + hkv, d)
             q, k = qk[:, :hq], qk[:, hq:]
@@ -113,14 +118,28 @@ class CpuLlama:
                 reference_write_kv(k_cache, v_cache, k, v, batch.slot_mapping, k_scale, v_scale)
                 attn = prefill_attention(q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype), self.scale, batch,
                                          k_cache, v_cache, k_scale, v_scale)
-            residual = residual + matmul(o_proj, attn.reshape(tokens, hq * d).to(o_proj.act_dtype))
-            x = F.rms_norm(residual, (self.hidden,), norm_post, self.eps).to(gate_up_proj.act_dtype)
-            gate, up = matmul(gate_up_proj, x).chunk(2, dim=-1)
-            residual = residual + matmul(down_proj, F.silu(gate) * up)
-        x = F.rms_norm(residual, (self.hidden,), self.final_norm, self.eps)
+            residual = _add(residual, matmul(o_proj, attn.reshape(tokens, hq * d).to(o_proj.act_dtype)))
+            gate_up = matmul(gate_up_proj, self._norm(residual, norm_post, gate_up_proj.act_dtype))
+            half = gate_up.shape[-1] // 2
+            residual = _add(residual, matmul(down_proj, F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])))
         if logits_rows is not None:
-            x = x[logits_rows]
-        return matmul(self.head, x.to(self.head.act_dtype)).float()
+            residual = residual[logits_rows]
+        return matmul(self.head, self._norm(residual, self.final_norm, self.head.act_dtype)).float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``rms_norm(x) * weight`` in ``dtype``."""
+        scaled = self.scaled_norms.get(id(weight))
+        if x.shape[0] != 1 or x.dtype != torch.float32 or scaled is None:
+            return F.rms_norm(x, (self.hidden,), weight, self.eps).to(dtype)
+        s = torch.addmm(self.norm_eps, x, x.t()).rsqrt_()                          # [1, 1]
+        return torch.mul(x * s, scaled, out=torch.empty(x.shape, dtype=dtype))
+
+
+def _add(residual: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``residual + y``, in place where that is the same dtype (the residual is this step's own)."""
+    if torch.promote_types(residual.dtype, y.dtype) == residual.dtype:
+        return residual.add_(y)
+    return residual + y
 
 
 def _call(linear, x):
