@@ -121,9 +121,12 @@ def check_clean_exit(server: Server, code: int) -> str:
 
 
 def test_sigterm_lets_running_streams_finish_within_the_timeout(tmp_path):
+    # Enough tokens that the streams outlast the drain checks: 40 took under a second on the
+    # int4 CPU path, and the server had finished and closed its socket before the last check.
+    new_tokens = 200
     server = Server(tmp_path / "server.log", "--shutdown-timeout", "60")
     try:
-        tgi, openai = streams(server.url, new_tokens=40)
+        tgi, openai = streams(server.url, new_tokens=new_tokens)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         check_refusing(server)
@@ -135,9 +138,9 @@ def test_sigterm_lets_running_streams_finish_within_the_timeout(tmp_path):
     for s in (tgi, openai):
         assert s.complete and s.error is None, s.error
     last = tgi.events[-1]
-    assert last["details"]["finish_reason"] == "length" and last["details"]["generated_tokens"] == 40
+    assert last["details"]["finish_reason"] == "length" and last["details"]["generated_tokens"] == new_tokens
     assert openai.events[-1] == "[DONE]"
-    assert openai.events[-2]["usage"]["completion_tokens"] == 40
+    assert openai.events[-2]["usage"]["completion_tokens"] == new_tokens
     assert openai.events[-3]["choices"][0]["finish_reason"] == "length"
     log = check_clean_exit(server, code)
     assert "the server ends the requests still running" not in log
