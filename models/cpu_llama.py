@@ -51,7 +51,10 @@ class CpuLlama:
         self.hidden = cfg.hidden_size
         self.scale = model.model.layers[0].self_attn.scaling
         self.eps = cfg.rms_norm_eps
-        self.layers, self.embed, self.head, self.final_norm = layers, embed, head, final_norm
+        self.embed, self.head = embed, head
+        norm = lambda w: _RmsNorm(w, self.eps)
+        self.layers = [(norm(n_in), qkv, o, norm(n_post), gate_up, down) for n_in, qkv, o, n_post, gate_up, down in layers]
+        self.final_norm = norm(final_norm)
         self.describe = describe
         positions = torch.arange(max_positions).unsqueeze(0)
         cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
@@ -61,12 +64,6 @@ class CpuLlama:
         # a decode step folds the attention scale into the query heads' rotation (exact for D = 64)
         self.qk_scale = torch.tensor([self.scale] * self.num_q_heads + [1.0] * self.num_kv_heads).view(-1, 1)
         self.parallel_bytes = decode_parallel_bytes()
-        # one-row float32 norms as x * rsqrt(x . x + H eps) * (w sqrt(H)): an addmm and three
-        # element-wise ops instead of rms_norm's reductions and a cast (docs/cpu.md, Profile)
-        root = float(self.hidden) ** 0.5
-        self.norm_eps = torch.full((1, 1), self.eps * self.hidden)
-        self.scaled_norms = {id(w): w.float() * root for layer in layers for w in (layer[0], layer[3])}
-        self.scaled_norms[id(final_norm)] = final_norm.float() * root
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
@@ -106,7 +103,7 @@ class CpuLlama:
         for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(self.layers):
             k_cache, v_cache = batch.kv_caches[i]
             k_scale, v_scale = batch.layer_scales(i)
-            qkv = matmul(qkv_proj, self._norm(residual, norm_in, qkv_proj.act_dtype))
+            qkv = matmul(qkv_proj, norm_in(residual, qkv_proj.act_dtype))
             qk = torch.view_as_complex(qkv[:, :(hq + hkv) * d].float().view(tokens, hq + hkv, d // 2, 2))
             qk = torch.view_as_real(qk * rotary).view(tokens, hq + hkv, d)
             q, k = qk[:, :hq], qk[:, hq:]
@@ -119,20 +116,30 @@ class CpuLlama:
                 attn = prefill_attention(q.to(kv_dtype), k.to(kv_dtype), v.to(kv_dtype), self.scale, batch,
                                          k_cache, v_cache, k_scale, v_scale)
             residual = _add(residual, matmul(o_proj, attn.reshape(tokens, hq * d).to(o_proj.act_dtype)))
-            gate_up = matmul(gate_up_proj, self._norm(residual, norm_post, gate_up_proj.act_dtype))
+            gate_up = matmul(gate_up_proj, norm_post(residual, gate_up_proj.act_dtype))
             half = gate_up.shape[-1] // 2
             residual = _add(residual, matmul(down_proj, F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])))
         if logits_rows is not None:
             residual = residual[logits_rows]
-        return matmul(self.head, self._norm(residual, self.final_norm, self.head.act_dtype)).float()
+        return matmul(self.head, self.final_norm(residual, self.head.act_dtype)).float()
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``rms_norm(x) * weight`` in ``dtype``."""
-        scaled = self.scaled_norms.get(id(weight))
-        if x.shape[0] != 1 or x.dtype != torch.float32 or scaled is None:
-            return F.rms_norm(x, (self.hidden,), weight, self.eps).to(dtype)
-        s = torch.addmm(self.norm_eps, x, x.t()).rsqrt_()                          # [1, 1]
-        return torch.mul(x * s, scaled, out=torch.empty(x.shape, dtype=dtype))
+
+class _RmsNorm:
+    """``rms_norm(x) * weight`` in a given dtype. One float32 row (a B=1 decode step) runs as
+    x * rsqrt(x . x + H eps) * (w sqrt(H)): an addmm and three element-wise ops instead of
+    rms_norm's reductions and a cast (docs/cpu.md, Profile)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight, self.eps = weight, eps
+        hidden = weight.shape[0]
+        self.scaled = weight.float() * float(hidden) ** 0.5
+        self.hidden_eps = torch.full((1, 1), eps * hidden)
+
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if x.shape[0] != 1 or x.dtype != torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps).to(dtype)
+        s = torch.addmm(self.hidden_eps, x, x.t()).rsqrt_()                     # [1, 1]
+        return torch.mul(x * s, self.scaled, out=torch.empty(x.shape, dtype=dtype))
 
 
 def _add(residual: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
