@@ -32,6 +32,19 @@ def fresh_seed(request):
     return seed
 
 
+def capture(step):
+    """``step`` run once on a side stream (outside capture), then captured: (graph, its outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
 def make_paged(lengths, num_kv_heads, head_dim, block_size, dtype, spare_blocks=3, table_blocks=None):
     """A random paged cache whose rows past each sequence's end, and unused blocks, are NaN; its
     block table has ``table_blocks`` columns (default: two past the longest sequence's)."""
@@ -244,14 +257,7 @@ def test_graph_replay_equals_eager(case):
 
     new_inputs(0)
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()                                               # warm up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture(step)
     for round_ in range(1, 4):
         new_inputs(round_)
         k_before, v_before = k_cache.clone(), v_cache.clone()

@@ -20,7 +20,7 @@ from kernels import layer_ops, ops
 from kernels.kv_quant import FP8, dequantize, quantize, scales_from_amax
 from kernels.paging import DEFAULT_BLOCK_SIZE
 
-from .test_flash_decode_cuda import (BLOCK_SIZES, DEVICE, PLAN_CASES, fresh_seed, make_paged,  # noqa: F401
+from .test_flash_decode_cuda import (BLOCK_SIZES, DEVICE, PLAN_CASES, capture, fresh_seed, make_paged,  # noqa: F401
                                      oracle, plain_low_precision, poison)
 from .test_layer_ops_cuda import rotary_table
 
@@ -227,14 +227,7 @@ def test_fp8_graph_replay_with_the_quantising_write(case, fresh_seed):
 
     new_inputs(0)
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture(step)
     for round_ in range(1, 4):
         new_inputs(round_)
         k_before, v_before = k8.clone(), v8.clone()

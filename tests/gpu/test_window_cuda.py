@@ -13,8 +13,8 @@ import torch
 import kernels
 from kernels.planner import split_plan
 from models.attention import prefill_attention
-from tests.gpu.test_flash_decode_cuda import (DEVICE, assert_accurate, check_against_oracle, make_paged,
-                                              poison)
+from tests.gpu.test_flash_decode_cuda import (DEVICE, assert_accurate, capture, check_against_oracle,  # noqa: F401
+                                              fresh_seed, make_paged, poison)
 from tests.test_window import exact_prefill, prefill_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -22,15 +22,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # smaller than every sequence, unaligned to blocks and tiles, one tile at head_dim 256, one
 # block of 128, between the lengths, longer than all
 WINDOWS = [1, 17, 32, 100, 512, 1000, 5000]
-
-
-@pytest.fixture(autouse=True)
-def fresh_seed(request):
-    from tests.gpu.test_flash_decode_cuda import SEED
-    seed = (SEED + hash(request.node.name)) % 2**31
-    torch.manual_seed(seed)
-    request.node.user_properties.append(("seed", seed))
-    return seed
 
 
 @pytest.mark.parametrize("window", WINDOWS)
@@ -107,14 +98,7 @@ def test_mixed_windows_under_graph_replay():
         return [kernels.flash_decode(q, kc, vc, table, seq_lens, workspace=ws, window=w)
                 for (kc, vc, table, _), w in zip(layers, windows)]
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_outs = step()
+    graph, static_outs = capture(step)
     for _ in range(3):
         lens = torch.randint(1, max_len + 1, (batch,), dtype=torch.int32)
         lens[0], lens[1] = 1, 513
