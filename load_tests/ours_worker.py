@@ -2,24 +2,17 @@
 benchmark's own process cannot take (OpenMP reads its environment once, at start-up). Same
 protocol as ``llama_cpp_worker.py``: one JSON request per stdin line, one answer per stdout line.
 
-    OMP_WAIT_POLICY= python -m load_tests.ours_worker MODEL quantized MAX_LEN
+    OMP_WAIT_POLICY=PASSIVE python -m load_tests.ours_worker MODEL quantized MAX_LEN
 """
 
 import json
 import logging
-import os
 import sys
 
-POLICY = os.environ.get("OMP_WAIT_POLICY")
-import torch  # noqa: E402,F401  (OpenMP reads its environment here)
+from models import load_model
+from server.engine.threads import configure_cpu_threads
 
-from models import load_model  # noqa: E402
-from server.engine.threads import configure_cpu_threads  # noqa: E402
-
-from .cpu_bench import Ours  # noqa: E402  (it sets a passive default for its own process)
-
-if POLICY is None:
-    os.environ.pop("OMP_WAIT_POLICY", None)
+from .cpu_bench import Ours
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ dot products over the same permutation of query and key, so the model computed i
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from kernels.kv_quant import FP8
 
 from .attention import AttentionBatch, head_dim_of, prefill_attention
 from .cpu_attention import DecodePlan, split_kv_decode, write_new_kv
+from .cpu_threads import ALL_THREADS, ThreadChooser
 from .quantized import ACT_DTYPE, DenseLinear, GgufTensor, Int4Linear, QuantizedEmbedding, linear_from_gguf, read_gguf
 
 log = logging.getLogger(__name__)
@@ -64,15 +66,16 @@ class CpuLlama:
         # a decode step folds the attention scale into the query heads' rotation (exact for D = 64)
         self.qk_scale = torch.tensor([self.scale] * self.num_q_heads + [1.0] * self.num_kv_heads).view(-1, 1)
         self.parallel_bytes = decode_parallel_bytes()
+        self.threads = ThreadChooser(torch.get_num_threads())
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                  logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        threads = torch.get_num_threads()
-        if not batch.is_decode or threads == 1:
+        threads = self.threads.threads
+        if threads == 1 or not batch.is_decode:          # a prefill: on the threads decode steps chose
             return self._forward(input_ids, positions, batch, logits_rows, _call)
         # A decode step's ops are small: each parallel region costs more (waking the pool's idle
-        # threads) than it saves, except in the largest matmuls (docs/cpu.md, Threads).
+        # threads) than it saves, except in the larger matmuls (docs/cpu.md, Threads).
         def matmul(linear, x):
             if linear.nbytes < self.parallel_bytes:
                 return linear(x)
@@ -80,11 +83,15 @@ class CpuLlama:
             y = linear(x)
             torch.set_num_threads(1)
             return y
+        mode = self.threads.choose(input_ids.numel())
+        started = time.perf_counter()
         torch.set_num_threads(1)
         try:
-            return self._forward(input_ids, positions, batch, logits_rows, matmul)
+            logits = self._forward(input_ids, positions, batch, logits_rows, matmul if mode == ALL_THREADS else _call)
+            self.threads.record(mode, input_ids.numel(), time.perf_counter() - started)
         finally:
-            torch.set_num_threads(threads)
+            self.threads.apply()
+        return logits
 
     def _forward(self, input_ids, positions, batch: AttentionBatch, logits_rows, matmul) -> torch.Tensor:
         ids, positions = input_ids.reshape(-1), positions.reshape(-1)

@@ -288,9 +288,6 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # idle OpenMP threads sleep instead of spinning: the HTTP front end and other processes
-    # on the cores keep running (on a loaded 2-core host a spinning pool ran decode 8x slower)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = parse_args(argv)
     configure_logging(args.log_level)
     settings = settings_from(args)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from models import AttentionBatch, cpu_forward, load_model
+from models.cpu_threads import ALL_THREADS, ONE_THREAD
 from server.engine import Engine, EngineConfig, SamplingParams
 from server.engine.block_manager import BlockManager
 from server.engine.model_runner import ModelRunner
@@ -170,20 +171,31 @@ def one_decode_step(step, ids: list[int]) -> torch.Tensor:
                 AttentionBatch(caches, positions[-1:], table, torch.tensor([n], dtype=torch.int32), is_decode=True))
 
 
-def test_decode_step_threads_change_nothing_but_speed(fp32, tokens):
-    step = cpu_forward(fp32.model, fp32.gguf_path, "quantized", 512)
+def test_decode_step_threads_change_nothing_but_speed(fp32, tokens, monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
+    step = cpu_forward(fp32.model, fp32.gguf_path, "quantized", 512)
+    step.threads.interval = 10 ** 9                      # the chooser does not probe
+    calls = []
+    set_threads = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), set_threads(n)))
     try:
         got = {}
-        for parallel_bytes in (0, 1 << 62):              # every matmul on both threads / none
-            step.parallel_bytes = parallel_bytes
-            got[parallel_bytes] = one_decode_step(step, tokens[:40])
-            assert torch.get_num_threads() == 2, "the decode step must give the intra-op threads back"
-        torch.set_num_threads(1)
-        got[1] = one_decode_step(step, tokens[:40])
-        assert torch.get_num_threads() == 1
+        # every matmul on both threads / none / every op on one thread, the process left on one
+        for name, parallel_bytes, mode in (("all", 0, ALL_THREADS), ("head", 1 << 62, ALL_THREADS),
+                                           ("one", 0, ONE_THREAD)):
+            step.parallel_bytes, step.threads.mode = parallel_bytes, mode
+            step.threads.apply()
+            calls.clear()
+            got[name] = one_decode_step(step, tokens[:40])
+            if mode == ONE_THREAD:
+                assert set(calls) == {1} and torch.get_num_threads() == 1, calls
+            else:
+                widened = calls.count(2) - 1             # the last one gives the caller's two back
+                assert widened == (4 * len(step.layers) + 1 if name == "all" else 0), calls  # qkv, o, gate_up, down; head
+                assert torch.get_num_threads() == 2
     finally:
+        monkeypatch.undo()
         torch.set_num_threads(before)
-    assert torch.allclose(got[0], got[1 << 62], atol=1e-3, rtol=0), (got[0] - got[1 << 62]).abs().max()
-    assert torch.allclose(got[0], got[1], atol=1e-3, rtol=0), (got[0] - got[1]).abs().max()
+    for name in ("head", "one"):
+        assert torch.allclose(got["all"], got[name], atol=1e-3, rtol=0), (got["all"] - got[name]).abs().max()
