@@ -114,17 +114,19 @@ def server_side(path):
             for key in ("tokenize_s", "first_token_s", "queue_s", "ttft_s", "first_token_delivery_s")]
 
 
-rows += ["", "Where TTFT goes at 16 streams with the shared prefix (medians, ms): the client's TTFT; in the API "
+rows += ["", "Where TTFT goes at 1 and 16 streams with the shared prefix (medians, ms): the client's TTFT; in the API "
          "worker, tokenisation and admission to the first token; in the engine, the queue and its TTFT (arrival "
          "in the engine to its first token); the first token's trip from the engine to the API worker", "",
-         "| model | caching | client TTFT | tokenize | API: admitted to 1st token | engine queue | engine TTFT | "
-         "delivery | requests |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+         "| model | streams | caching | client TTFT | tokenize | API: admitted to 1st token | engine queue | "
+         "engine TTFT | delivery | requests |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
 for model_dir in sorted(p for p in out.iterdir() if p.is_dir()):
-    for caching in ("on", "off"):
-        s = level(model_dir / caching / "shared16", 16)
-        parts = server_side(model_dir / caching / "shared16.requests.jsonl")
-        cells = [f"{s['ttft_ms']['p50']:.1f}" if s else "-"] + ([f"{v:.1f}" for v in parts] if parts else ["-"] * 5)
-        rows.append(f"| {model_dir.name} | {caching} | " + " | ".join(cells) + f" | {s['completed'] if s else '-'} |")
+    for name, streams in (("shared_c1", 1), ("shared16", 16)):
+        for caching in ("on", "off"):
+            s = level(model_dir / caching / name, streams)
+            parts = server_side(model_dir / caching / f"{name}.requests.jsonl")
+            cells = [f"{s['ttft_ms']['p50']:.1f}" if s else "-"] + ([f"{v:.1f}" for v in parts] if parts else ["-"] * 5)
+            rows.append(f"| {model_dir.name} | {streams} | {caching} | " + " | ".join(cells)
+                        + f" | {s['completed'] if s else '-'} |")
 table = "\n".join(rows)
 (out / "summary.md").write_text(table + "\n")
 print(table)
