@@ -226,8 +226,47 @@ def test_three_blocks_per_sm(shape, fresh_seed):
     assert torch.equal(static_out, eager)
 
 
-@pytest.mark.parametrize("case", ["spread, merge kernel", "two splits in a spread cluster",
-                                  "one split, two per SM, trigger at loads", "two per SM, three splits, merge kernel after the split grid"])
+def new_decode_rows(round_, table, seq_lens, slots, max_len, block_size):
+    """New lengths (the last sequence's 1) and each sequence's new row at its last position, one of
+    them a padded row (slot -1) that writes nothing."""
+    batch = seq_lens.shape[0]
+    lens = torch.randint(1, max_len, (batch,), dtype=torch.int32)
+    lens[-1] = 1
+    seq_lens.copy_(lens)
+    positions = (lens - 1).long().to(DEVICE)
+    slot = table.gather(1, (positions // block_size).view(-1, 1)).view(-1).long() * block_size + positions % block_size
+    slot[round_ % batch] = -1
+    slots.copy_(slot)
+
+
+def assert_replay_equals_eager(step, caches, new_inputs, workspace, check):
+    """``step`` (a cache write, then the kernel) captured once, then over three rounds of
+    ``new_inputs(round)``: the replay writes the same cache bits and returns the same output as an
+    eager run from the same cache state, and ``check(output)`` holds."""
+    new_inputs(0)
+    torch.cuda.synchronize()
+    graph, static_out = capture(step)
+    for round_ in range(1, 4):
+        new_inputs(round_)
+        before = [c.clone() for c in caches]
+        static_out.fill_(float("nan"))
+        workspace.partial_out.fill_(float("nan"))
+        graph.replay()
+        replayed, after = static_out.clone(), [c.clone() for c in caches]
+        for cache, saved in zip(caches, before):
+            cache.copy_(saved)
+        eager = step()
+        assert torch.equal(replayed, eager)
+        for written, cache in zip(after, caches):
+            assert torch.equal(written.view(torch.uint8), cache.view(torch.uint8))
+        check(replayed)
+
+
+REPLAY_CASES = ["spread, merge kernel", "two splits in a spread cluster", "one split, two per SM, trigger at loads",
+                "two per SM, three splits, merge kernel after the split grid"]
+
+
+@pytest.mark.parametrize("case", REPLAY_CASES)
 def test_graph_replay_equals_eager(case):
     (num_q, num_kv, dim), batch, max_len = PLAN_CASES[case]
     bs = 16
@@ -244,34 +283,12 @@ def test_graph_replay_equals_eager(case):
         return ops.flash_decode_cuda(q, k_cache, v_cache, table, seq_lens, workspace=ws)
 
     def new_inputs(round_):
-        lens = torch.randint(1, max_len, (batch,), dtype=torch.int32)
-        lens[-1] = 1
-        seq_lens.copy_(lens)
-        positions = (lens - 1).long().to(DEVICE)
-        slot = table.gather(1, (positions // bs).view(-1, 1)).view(-1).long() * bs + positions % bs
-        slot[round_ % batch] = -1                            # a padded row writes nothing
-        slots.copy_(slot)
-        q.copy_(torch.randn_like(q))
-        key.copy_(torch.randn_like(key))
-        value.copy_(torch.randn_like(value))
+        new_decode_rows(round_, table, seq_lens, slots, max_len, bs)
+        for t in (q, key, value):
+            t.copy_(torch.randn_like(t))
 
-    new_inputs(0)
-    torch.cuda.synchronize()
-    graph, static_out = capture(step)
-    for round_ in range(1, 4):
-        new_inputs(round_)
-        k_before, v_before = k_cache.clone(), v_cache.clone()
-        static_out.fill_(float("nan"))
-        ws.partial_out.fill_(float("nan"))
-        graph.replay()
-        replayed, k_after, v_after = static_out.clone(), k_cache.clone(), v_cache.clone()
-        k_cache.copy_(k_before)
-        v_cache.copy_(v_before)
-        eager = step()
-        assert torch.equal(replayed, eager)
-        assert torch.equal(k_after.nan_to_num(7.0), k_cache.nan_to_num(7.0))
-        assert torch.equal(v_after.nan_to_num(7.0), v_cache.nan_to_num(7.0))
-        assert_accurate([replayed], q, k_cache, v_cache, table, seq_lens, dim ** -0.5)
+    assert_replay_equals_eager(step, [k_cache, v_cache], new_inputs, ws,
+                               lambda out: assert_accurate([out], q, k_cache, v_cache, table, seq_lens, dim ** -0.5))
 
 
 # Launch plans the read-ahead runs under (at B=4, the launcher's choice for the shape); head_dim

@@ -20,8 +20,9 @@ from kernels import layer_ops, ops
 from kernels.kv_quant import FP8, dequantize, quantize, scales_from_amax
 from kernels.paging import DEFAULT_BLOCK_SIZE
 
-from .test_flash_decode_cuda import (BLOCK_SIZES, DEVICE, PLAN_CASES, capture, fresh_seed, make_paged,  # noqa: F401
-                                     oracle, plain_low_precision, poison)
+from .test_flash_decode_cuda import (BLOCK_SIZES, DEVICE, PLAN_CASES, REPLAY_CASES, assert_replay_equals_eager,  # noqa: F401
+                                     fresh_seed, make_paged, new_decode_rows, oracle, plain_low_precision,
+                                     poison)
 from .test_layer_ops_cuda import rotary_table
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -191,9 +192,7 @@ def test_fp8_three_blocks_per_sm_and_graph_replay(shape, fresh_seed):
     assert torch.equal(static_out, eager)
 
 
-@pytest.mark.parametrize("case", ["spread, merge kernel", "two splits in a spread cluster",
-                                  "one split, two per SM, trigger at loads",
-                                  "two per SM, three splits, merge kernel after the split grid"])
+@pytest.mark.parametrize("case", REPLAY_CASES)
 def test_fp8_graph_replay_with_the_quantising_write(case, fresh_seed):
     """A decode step's write_kv (quantising) then flash_decode, captured once and replayed over
     new inputs and new scales (copied into the captured scale tensors): replay equals eager."""
@@ -212,36 +211,16 @@ def test_fp8_graph_replay_with_the_quantising_write(case, fresh_seed):
         return ops.flash_decode_cuda(q, k8, v8, table, seq_lens, workspace=ws, k_scale=ks, v_scale=vs)
 
     def new_inputs(round_):
-        lens = torch.randint(1, max_len, (batch,), dtype=torch.int32)
-        lens[-1] = 1
-        seq_lens.copy_(lens)
-        positions = (lens - 1).long().to(DEVICE)
-        slot = table.gather(1, (positions // bs).view(-1, 1)).view(-1).long() * bs + positions % bs
-        slot[round_ % batch] = -1
-        slots.copy_(slot)
+        new_decode_rows(round_, table, seq_lens, slots, max_len, bs)
         q.copy_(torch.randn_like(q))
         key.copy_(torch.randn_like(key) * 5)
         value.copy_(torch.randn_like(value) * 5)
         ks.mul_(torch.rand_like(ks) + 0.5)
         vs.mul_(torch.rand_like(vs) + 0.5)
 
-    new_inputs(0)
-    torch.cuda.synchronize()
-    graph, static_out = capture(step)
-    for round_ in range(1, 4):
-        new_inputs(round_)
-        k_before, v_before = k8.clone(), v8.clone()
-        static_out.fill_(float("nan"))
-        ws.partial_out.fill_(float("nan"))
-        graph.replay()
-        replayed, k_after, v_after = static_out.clone(), k8.clone(), v8.clone()
-        k8.copy_(k_before)
-        v8.copy_(v_before)
-        eager = step()
-        assert torch.equal(replayed, eager)
-        assert torch.equal(k_after.view(torch.uint8), k8.view(torch.uint8))
-        assert torch.equal(v_after.view(torch.uint8), v8.view(torch.uint8))
-        assert_accurate([replayed], q, dequantize(k8, ks), dequantize(v8, vs), table, seq_lens, dim ** -0.5)
+    assert_replay_equals_eager(step, [k8, v8], new_inputs, ws,
+                               lambda out: assert_accurate([out], q, dequantize(k8, ks), dequantize(v8, vs), table,
+                                                           seq_lens, dim ** -0.5))
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
