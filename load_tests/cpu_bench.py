@@ -87,8 +87,10 @@ class _Stamps(BaseStreamer):
 class HfGenerate:
     def __init__(self, model):
         self.model = model
+        self.threads = torch.get_num_threads()
 
     def __call__(self, prompt, new_tokens):
+        torch.set_num_threads(self.threads)       # our engine leaves one where its decode steps chose one
         ids = torch.tensor([prompt])
         stamps = _Stamps()
         started = time.perf_counter()

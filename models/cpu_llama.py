@@ -72,7 +72,8 @@ class CpuLlama:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                  logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         threads = self.threads.threads
-        if threads == 1 or not batch.is_decode:          # a prefill: on the threads decode steps chose
+        if threads == 1 or not batch.is_decode:
+            self.threads.apply()                          # a prefill runs on the threads decode steps chose
             return self._forward(input_ids, positions, batch, logits_rows, _call)
         # A decode step's ops are small: each parallel region costs more (waking the pool's idle
         # threads) than it saves, except in the larger matmuls (docs/cpu.md, Threads).
