@@ -119,7 +119,8 @@ class ModelRunner:
                 step = cpu_forward(self.model, self.gguf_path, config.cpu_weights, self.max_model_len)
                 log.info("CPU weights: %s", step.describe)
                 log.info("CPU decode step: matmuls of at least %.0f MB of weights on every intra-op thread, "
-                         "its other ops on one", step.parallel_bytes / 2 ** 20)
+                         "its other ops on one; all of it on one thread while that is faster (another process "
+                         "on the cores)", step.parallel_bytes / 2 ** 20)
                 return step
             if config.cpu_weights == "quantized":
                 raise ValueError(f"cpu_weights 'quantized' needs a Llama-family model the CPU step runs: {cpu_reason}")
