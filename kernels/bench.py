@@ -69,15 +69,20 @@ def time_per_call_us(calls, target_s=0.15):
     end.record()
     torch.cuda.synchronize()
     reps = max(5, min(60, int(target_s * 1e3 / max(start.elapsed_time(end), 1e-3))))
+    per_call = replay_us(graph, reps) / n
+    del graph
+    return per_call
+
+
+def replay_us(graph, reps: int) -> float:
+    """Median GPU time of one replay of ``graph`` over ``reps`` timed replays, in us."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for e0, e1 in events:
         e0.record()
         graph.replay()
         e1.record()
     torch.cuda.synchronize()
-    per_call = statistics.median(e0.elapsed_time(e1) for e0, e1 in events) * 1e3 / n
-    del graph
-    return per_call
+    return statistics.median(e0.elapsed_time(e1) for e0, e1 in events) * 1e3
 
 
 class Case:

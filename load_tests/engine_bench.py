@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.bench import replay_us
 from models import load_model
 from server.engine import EngineConfig, EngineCore, FinishEvent, SamplingParams, freeze_startup_heap
 from server.engine.block_manager import BlockManager
@@ -110,13 +111,7 @@ def decode_step_us(core: EngineCore, batch: int, context: int, replays: int = 50
     graph = runner.graphs[bucket][0]
     for _ in range(5):
         graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
+    return replay_us(graph, replays)
 
 
 def decode_step_table(loaded, args) -> dict:

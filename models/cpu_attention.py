@@ -72,13 +72,13 @@ class DecodePlan:
 def write_new_kv(k_cache, v_cache, key, value, plan: DecodePlan, k_scale=None, v_scale=None) -> None:
     """Store a decode step's ``key/value [B, Hkv, D]`` (every row a real token); fp8 caches
     store them quantised at ``k_scale``/``v_scale``."""
-    if k_scale is None and plan.slot is not None:
+    if k_scale is not None:
+        key, value = quantize(key, k_scale), quantize(value, v_scale)
+    if plan.slot is not None:
         block, row = plan.slot           # one row: a copy into a view, not an index_put
         k_cache[block, :, row].copy_(key[0])
         v_cache[block, :, row].copy_(value[0])
         return
-    if k_scale is not None:
-        key, value = quantize(key, k_scale), quantize(value, v_scale)
     k_cache[plan.slot_blocks, :, plan.slot_rows] = key.to(k_cache.dtype)
     v_cache[plan.slot_blocks, :, plan.slot_rows] = value.to(v_cache.dtype)
 

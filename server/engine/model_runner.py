@@ -97,7 +97,7 @@ class ModelRunner:
             log.info("KV cache float8_e4m3fn, scales per layer and KV head: %s", self.scales.describe())
         if self.kv_dtype != self.dtype:
             log.info("KV pool: %d tokens in %d blocks of %d (%s)%s", self.kv_tokens, self.num_blocks, self.block_size,
-                 str(self.kv_dtype).replace("torch.", ""), self._pool_comparison(config))
+                     str(self.kv_dtype).replace("torch.", ""), self._pool_comparison(config))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.prefill_graphs = None

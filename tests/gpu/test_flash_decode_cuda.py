@@ -348,14 +348,7 @@ def test_read_ahead_waits_for_the_new_row_and_q(shape, max_len, block_size, grap
 
     if graph:
         new_round()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            static_q, static_outs = step()
+        captured, (static_q, static_outs) = capture(step)
     for _ in range(3):
         new_round()
         if graph:
