@@ -23,6 +23,7 @@ from kernels.kv_quant import FP8
 
 from .attention import AttentionBatch, head_dim_of, prefill_attention
 from .cpu_attention import DecodePlan, split_kv_decode, write_new_kv
+from .cpu_decode import compiled_decode_layer
 from .cpu_threads import ALL_THREADS, ThreadChooser
 from .quantized import ACT_DTYPE, DenseLinear, GgufTensor, Int4Linear, QuantizedEmbedding, linear_from_gguf, read_gguf
 
@@ -63,10 +64,14 @@ class CpuLlama:
         half = self.head_dim // 2
         cos, sin = cos[0, :, :half].float(), sin[0, :, :half].float()
         self.rotary = torch.complex(cos, sin)                  # [max_positions, D/2]
+        self.cos, self.sin = cos, sin
         # a decode step folds the attention scale into the query heads' rotation (exact for D = 64)
         self.qk_scale = torch.tensor([self.scale] * self.num_q_heads + [1.0] * self.num_kv_heads).view(-1, 1)
         self.parallel_bytes = decode_parallel_bytes()
         self.threads = ThreadChooser(torch.get_num_threads())
+        # a one-sequence decode step runs compiled layers (models.cpu_decode) where every
+        # projection is int4; warm_up() compiles them, or turns them off where compiling fails
+        self.compiled = all(isinstance(lin, Int4Linear) for layer in self.layers for lin in layer[1:3] + layer[4:])
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
@@ -88,11 +93,76 @@ class CpuLlama:
         started = time.perf_counter()
         torch.set_num_threads(1)
         try:
-            logits = self._forward(input_ids, positions, batch, logits_rows, matmul if mode == ALL_THREADS else _call)
+            if self._runs_compiled(input_ids, batch):
+                # its layers are few large parallel regions: all threads where idle ones spin
+                wide = mode == ALL_THREADS and self.parallel_bytes == 0
+                logits = self._decode_one(input_ids, positions, batch, logits_rows,
+                                          matmul if mode == ALL_THREADS else _call, threads if wide else 1)
+            else:
+                logits = self._forward(input_ids, positions, batch, logits_rows,
+                                       matmul if mode == ALL_THREADS else _call)
             self.threads.record(mode, input_ids.numel(), time.perf_counter() - started)
         finally:
             self.threads.apply()
         return logits
+
+    def _runs_compiled(self, input_ids, batch: AttentionBatch) -> bool:
+        return (self.compiled and batch.is_decode and input_ids.numel() == 1 and batch.kv_scales is None
+                and batch.kv_caches[0][0].dtype == torch.float32 and int(batch.seq_lens[0]) > 1)
+
+    def _decode_one(self, input_ids, positions, batch: AttentionBatch, logits_rows, matmul,
+                    layer_threads: int) -> torch.Tensor:
+        """A decode step of one sequence through ``compiled_decode_layer``."""
+        block_size = batch.kv_caches[0][0].shape[2]
+        cached = int(batch.seq_lens[0]) - 1
+        n = -(-cached // block_size)
+        ids = batch.block_tables[0, :n].long()
+        first = int(ids[0])
+        in_order = n == 1 or bool((ids == torch.arange(first, first + n)).all())
+        bias = torch.zeros(n, 1, 1, block_size)
+        bias.view(-1)[cached:] = float("-inf")
+        block, row = divmod(int(batch.slot_mapping[0]), block_size)
+        position = int(positions.reshape(-1)[0])
+        cos, sin = self.cos[position], self.sin[position]
+        residual = self.embed(input_ids.reshape(-1)).float()
+        torch.set_num_threads(layer_threads)
+        for (norm_in, qkv, o_proj, norm_post, gate_up, down), (k_cache, v_cache) in zip(self.layers, batch.kv_caches):
+            keys = k_cache[first:first + n] if in_order else k_cache.index_select(0, ids)
+            values = v_cache[first:first + n] if in_order else v_cache.index_select(0, ids)
+            residual, key, value = compiled_decode_layer(
+                residual, norm_in.scaled, norm_in.hidden_eps, qkv.parts, cos, sin, self.qk_scale, keys, values, bias,
+                o_proj.parts, norm_post.scaled, norm_post.hidden_eps, gate_up.parts, down.parts, self.num_q_heads)
+            k_cache[block, :, row].copy_(key)
+            v_cache[block, :, row].copy_(value)
+        torch.set_num_threads(1)
+        if logits_rows is not None:
+            residual = residual[logits_rows]
+        return matmul(self.head, self.final_norm(residual, self.head.act_dtype)).float()
+
+    def warm_up(self, block_size: int) -> float | None:
+        """Compiles the one-sequence decode layers for one cached block and for more (on scratch
+        caches), so that no request waits for it; seconds taken, or None where the step has no
+        compiled layers (or compiling failed: logged, the step then runs eagerly)."""
+        if not self.compiled:
+            return None
+        started = time.perf_counter()
+        shape = (3, self.num_kv_heads, block_size, self.head_dim)
+        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in self.layers]
+        table = torch.arange(3, dtype=torch.int32).view(1, -1)
+        try:
+            with torch.inference_mode():
+                for length in (2, block_size + 2):
+                    position = torch.tensor([[length - 1]], dtype=torch.int32)
+                    batch = AttentionBatch(caches, position.view(-1), table, torch.tensor([length], dtype=torch.int32),
+                                           is_decode=True)
+                    self._decode_one(torch.zeros(1, 1, dtype=torch.int32), position, batch, None, _call, 1)
+        except Exception as e:                                   # inductor needs a C++ compiler
+            log.warning("CPU decode step: torch.compile failed (%s: %s); its layers run eagerly", type(e).__name__, e)
+            self.compiled = False
+            return None
+        finally:
+            self.threads.apply()
+        return time.perf_counter() - started
 
     def _forward(self, input_ids, positions, batch: AttentionBatch, logits_rows, matmul) -> torch.Tensor:
         ids, positions = input_ids.reshape(-1), positions.reshape(-1)

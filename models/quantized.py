@@ -49,11 +49,16 @@ class Int4Linear:
         self.nbytes = sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        packed, sz = self.parts[0]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
-        for packed, sz in self.parts[1:]:
-            y += torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
-        return y
+        return int4_matmul(x, self.parts)
+
+
+def int4_matmul(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``x`` (bfloat16) times the sum of the int4 matrices ``parts``, transposed."""
+    packed, sz = parts[0]
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
+    for packed, sz in parts[1:]:
+        y = y + torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
+    return y
 
 
 class DenseLinear:

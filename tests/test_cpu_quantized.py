@@ -32,7 +32,7 @@ def test_int4_linear_is_the_blocks_weights(qtype, rows):
     lin = linear_from_gguf(t)
     assert isinstance(lin, Int4Linear) and len(lin.parts) == (2 if qtype == QT.Q8_0 else 1)
     w = torch.from_numpy(t.dequantize()).double()            # the gguf package's own dequantisation
-    x = torch.randn(rows, 256, dtype=torch.float64).bfloat16()
+    x = torch.randn(rows, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(rows)).bfloat16()
     got = lin(x).double()
     exact = x.double() @ w.T
     bound = 2 ** -7 * (x.double().abs() @ w.abs().T)
