@@ -24,17 +24,18 @@ def rms_norm_row(x: torch.Tensor, weight_sqrt_h: torch.Tensor, h_eps: torch.Tens
     return (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + h_eps) * weight_sqrt_h).to(torch.bfloat16)
 
 
-def decode_layer(residual, norm_in, h_eps_in, qkv, cos, sin, qk_scale, keys, values, bias, o_proj,
-                 norm_post, h_eps_post, gate_up, down, num_q_heads: int):
+def decode_layer(residual, norm_in, h_eps_in, qkv, cos, sin, qk_scale, k_cache, v_cache, block_ids, cached,
+                 o_proj, norm_post, h_eps_post, gate_up, down, num_q_heads: int):
     """One layer for one new token.
 
     residual ``[1, H]`` float32; norm weights pre-scaled by sqrt(H); ``qkv``, ``o_proj``,
     ``gate_up``, ``down``: int4 parts (``Int4Linear.parts``); ``cos``/``sin`` ``[D/2]`` the new
     position's rotation, ``qk_scale [Hq + Hkv, 1]`` the attention scale for the query heads (1 for
-    the key heads); ``keys``/``values [n, Hkv, block_size, D]`` the cached blocks and ``bias
-    [n, 1, 1, block_size]`` 0 at cached positions, -inf past them (every block holds at least one).
-    Returns the new residual and the new token's key and value ``[Hkv, D]`` for the cache.
+    the key heads); the layer's caches ``[num_blocks, Hkv, block_size, D]``, ``block_ids [n]``
+    (int64) the blocks holding the sequence's ``cached`` tokens (a 0-d int64 tensor), each block
+    at least one. Returns the new residual and the new token's key and value ``[Hkv, D]``.
     """
+    keys, values = k_cache[block_ids], v_cache[block_ids]                    # [n, Hkv, bs, D]
     n, num_kv_heads, block_size, head_dim = keys.shape
     heads = num_q_heads + num_kv_heads
     group = num_q_heads // num_kv_heads
@@ -47,8 +48,9 @@ def decode_layer(residual, norm_in, h_eps_in, qkv, cos, sin, qk_scale, keys, val
     key = qk[num_q_heads:]
     value = proj[0, heads * head_dim:].float().view(num_kv_heads, head_dim)
 
+    past_end = torch.arange(n * block_size, device=keys.device).view(n, 1, 1, block_size) >= cached
     scores = (q.view(1, num_kv_heads, group, 1, head_dim) * keys.view(n, num_kv_heads, 1, block_size, head_dim)
-              ).sum(-1) + bias                                                # [n, Hkv, G, bs]
+              ).sum(-1).masked_fill(past_end, float("-inf"))                 # [n, Hkv, G, bs]
     m = scores.amax(-1, keepdim=True)
     p = (scores - m).exp()
     l = p.sum(-1, keepdim=True)
@@ -64,5 +66,11 @@ def decode_layer(residual, norm_in, h_eps_in, qkv, cos, sin, qk_scale, keys, val
     return residual, key, value
 
 
-# dynamic=None: the first call compiles for its block count, the first with another one for any
 compiled_decode_layer = torch.compile(decode_layer)
+
+
+def mark_block_count(block_ids: torch.Tensor) -> None:
+    """Compile for any number of blocks, one included (as data-dependent: no recompiling when a
+    sequence reaches its second block). Inductor's loops are built for the intra-op thread count
+    they run on: each count compiles once."""
+    torch._dynamo.decorators.mark_unbacked(block_ids, 0)

@@ -23,7 +23,7 @@ from kernels.kv_quant import FP8
 
 from .attention import AttentionBatch, head_dim_of, prefill_attention
 from .cpu_attention import DecodePlan, split_kv_decode, write_new_kv
-from .cpu_decode import compiled_decode_layer
+from .cpu_decode import compiled_decode_layer, mark_block_count
 from .cpu_threads import ALL_THREADS, ThreadChooser
 from .quantized import ACT_DTYPE, DenseLinear, GgufTensor, Int4Linear, QuantizedEmbedding, linear_from_gguf, read_gguf
 
@@ -115,23 +115,19 @@ class CpuLlama:
         """A decode step of one sequence through ``compiled_decode_layer``."""
         block_size = batch.kv_caches[0][0].shape[2]
         cached = int(batch.seq_lens[0]) - 1
-        n = -(-cached // block_size)
-        ids = batch.block_tables[0, :n].long()
-        first = int(ids[0])
-        in_order = n == 1 or bool((ids == torch.arange(first, first + n)).all())
-        bias = torch.zeros(n, 1, 1, block_size)
-        bias.view(-1)[cached:] = float("-inf")
+        block_ids = batch.block_tables[0, :-(-cached // block_size)].long()
+        mark_block_count(block_ids)
+        cached_tokens = torch.tensor(cached)
         block, row = divmod(int(batch.slot_mapping[0]), block_size)
         position = int(positions.reshape(-1)[0])
         cos, sin = self.cos[position], self.sin[position]
         residual = self.embed(input_ids.reshape(-1)).float()
         torch.set_num_threads(layer_threads)
         for (norm_in, qkv, o_proj, norm_post, gate_up, down), (k_cache, v_cache) in zip(self.layers, batch.kv_caches):
-            keys = k_cache[first:first + n] if in_order else k_cache.index_select(0, ids)
-            values = v_cache[first:first + n] if in_order else v_cache.index_select(0, ids)
             residual, key, value = compiled_decode_layer(
-                residual, norm_in.scaled, norm_in.hidden_eps, qkv.parts, cos, sin, self.qk_scale, keys, values, bias,
-                o_proj.parts, norm_post.scaled, norm_post.hidden_eps, gate_up.parts, down.parts, self.num_q_heads)
+                residual, norm_in.scaled, norm_in.hidden_eps, qkv.parts, cos, sin, self.qk_scale, k_cache, v_cache,
+                block_ids, cached_tokens, o_proj.parts, norm_post.scaled, norm_post.hidden_eps, gate_up.parts,
+                down.parts, self.num_q_heads)
             k_cache[block, :, row].copy_(key)
             v_cache[block, :, row].copy_(value)
         torch.set_num_threads(1)
@@ -139,23 +135,21 @@ class CpuLlama:
             residual = residual[logits_rows]
         return matmul(self.head, self.final_norm(residual, self.head.act_dtype)).float()
 
-    def warm_up(self, block_size: int) -> float | None:
-        """Compiles the one-sequence decode layers for one cached block and for more (on scratch
-        caches), so that no request waits for it; seconds taken, or None where the step has no
-        compiled layers (or compiling failed: logged, the step then runs eagerly)."""
+    def warm_up(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+        """Compiles the one-sequence decode layers for each intra-op thread count a step may use,
+        on ``kv_caches`` (the engine's, before any request: it writes into their first blocks), so
+        that no request waits for it. Seconds taken, or None where the step has no compiled
+        layers or compiling failed (logged; the step then runs eagerly)."""
         if not self.compiled:
             return None
         started = time.perf_counter()
-        shape = (3, self.num_kv_heads, block_size, self.head_dim)
-        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in self.layers]
-        table = torch.arange(3, dtype=torch.int32).view(1, -1)
+        position = torch.tensor([[1]], dtype=torch.int32)
+        batch = AttentionBatch(kv_caches, position.view(-1), torch.zeros(1, 1, dtype=torch.int32),
+                               torch.tensor([2], dtype=torch.int32), is_decode=True)
         try:
             with torch.inference_mode():
-                for length in (2, block_size + 2):
-                    position = torch.tensor([[length - 1]], dtype=torch.int32)
-                    batch = AttentionBatch(caches, position.view(-1), table, torch.tensor([length], dtype=torch.int32),
-                                           is_decode=True)
-                    self._decode_one(torch.zeros(1, 1, dtype=torch.int32), position, batch, None, _call, 1)
+                for threads in sorted({1, self.threads.threads}):
+                    self._decode_one(torch.zeros(1, 1, dtype=torch.int32), position, batch, None, _call, threads)
         except Exception as e:                                   # inductor needs a C++ compiler
             log.warning("CPU decode step: torch.compile failed (%s: %s); its layers run eagerly", type(e).__name__, e)
             self.compiled = False

@@ -208,6 +208,7 @@ def test_decode_step_threads_change_nothing_but_speed(fp32, tokens, monkeypatch,
 
 @pytest.mark.parametrize("length", [2, 17, 32, 33, 40, 70])
 @pytest.mark.parametrize("in_order", [True, False], ids=["in_order", "shuffled"])
+@torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)       # not eager behind the test's back
 def test_compiled_decode_step_equals_eager(fp32, tokens, length, in_order):
     """The compiled one-sequence step (models.cpu_decode) against the eager layers on the same
     cache: one cached block and several, the new token first or last in its block, blocks read in

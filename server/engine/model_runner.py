@@ -121,7 +121,7 @@ class ModelRunner:
                 log.info("CPU decode step: matmuls of at least %.0f MB of weights on every intra-op thread, "
                          "its other ops on one; all of it on one thread while that is faster (another process "
                          "on the cores)", step.parallel_bytes / 2 ** 20)
-                seconds = step.warm_up(self.block_size) if self.kv_dtype == torch.float32 else None
+                seconds = step.warm_up(self.kv_caches) if self.kv_dtype == torch.float32 else None
                 if seconds is not None:
                     log.info("CPU decode step of one sequence: its layers compiled (torch.compile) in %.1f s", seconds)
                 return step
