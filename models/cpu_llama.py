@@ -69,9 +69,12 @@ class CpuLlama:
         self.qk_scale = torch.tensor([self.scale] * self.num_q_heads + [1.0] * self.num_kv_heads).view(-1, 1)
         self.parallel_bytes = decode_parallel_bytes()
         self.threads = ThreadChooser(torch.get_num_threads())
-        # a one-sequence decode step runs compiled layers (models.cpu_decode) where every
-        # projection is int4; warm_up() compiles them, or turns them off where compiling fails
+        # A one-sequence decode step runs compiled layers (models.cpu_decode) where every projection
+        # is int4, on the thread count its layers take when the chooser keeps every thread (inductor
+        # compiles for one count; on one thread, the chooser's fallback, they run eagerly).
+        # warm_up() compiles them, or turns them off where compiling fails.
         self.compiled = all(isinstance(lin, Int4Linear) for layer in self.layers for lin in layer[1:3] + layer[4:])
+        self.compiled_threads = self._layer_threads(ALL_THREADS)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
@@ -79,6 +82,8 @@ class CpuLlama:
         threads = self.threads.threads
         if threads == 1 or not batch.is_decode:
             self.threads.apply()                          # a prefill runs on the threads decode steps chose
+            if batch.is_decode and self._runs_compiled(input_ids, batch):
+                return self._decode_one(input_ids, positions, batch, logits_rows, _call, 1)
             return self._forward(input_ids, positions, batch, logits_rows, _call)
         # A decode step's ops are small: each parallel region costs more (waking the pool's idle
         # threads) than it saves, except in the larger matmuls (docs/cpu.md, Threads).
@@ -93,11 +98,9 @@ class CpuLlama:
         started = time.perf_counter()
         torch.set_num_threads(1)
         try:
-            if self._runs_compiled(input_ids, batch):
-                # its layers are few large parallel regions: all threads where idle ones spin
-                wide = mode == ALL_THREADS and self.parallel_bytes == 0
+            if self._layer_threads(mode) == self.compiled_threads and self._runs_compiled(input_ids, batch):
                 logits = self._decode_one(input_ids, positions, batch, logits_rows,
-                                          matmul if mode == ALL_THREADS else _call, threads if wide else 1)
+                                          matmul if mode == ALL_THREADS else _call, self.compiled_threads)
             else:
                 logits = self._forward(input_ids, positions, batch, logits_rows,
                                        matmul if mode == ALL_THREADS else _call)
@@ -105,6 +108,11 @@ class CpuLlama:
         finally:
             self.threads.apply()
         return logits
+
+    def _layer_threads(self, mode: str) -> int:
+        """Threads for a compiled layer: its few large parallel regions take every thread where idle
+        ones spin (OpenMP's default wait), one where they sleep (PASSIVE) or in one-thread mode."""
+        return self.threads.threads if mode == ALL_THREADS and self.parallel_bytes == 0 else 1
 
     def _runs_compiled(self, input_ids, batch: AttentionBatch) -> bool:
         return (self.compiled and batch.is_decode and input_ids.numel() == 1 and batch.kv_scales is None
@@ -136,10 +144,9 @@ class CpuLlama:
         return matmul(self.head, self.final_norm(residual, self.head.act_dtype)).float()
 
     def warm_up(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
-        """Compiles the one-sequence decode layers for each intra-op thread count a step may use,
-        on ``kv_caches`` (the engine's, before any request: it writes into their first blocks), so
-        that no request waits for it. Seconds taken, or None where the step has no compiled
-        layers or compiling failed (logged; the step then runs eagerly)."""
+        """Compiles the one-sequence decode layers on ``kv_caches`` (the engine's, before any request:
+        it writes into their first blocks), so that no request waits for it. Seconds taken, or None
+        where the step has no compiled layers or compiling failed (logged; it then runs eagerly)."""
         if not self.compiled:
             return None
         started = time.perf_counter()
@@ -148,8 +155,8 @@ class CpuLlama:
                                torch.tensor([2], dtype=torch.int32), is_decode=True)
         try:
             with torch.inference_mode():
-                for threads in sorted({1, self.threads.threads}):
-                    self._decode_one(torch.zeros(1, 1, dtype=torch.int32), position, batch, None, _call, threads)
+                self._decode_one(torch.zeros(1, 1, dtype=torch.int32), position, batch, None, _call,
+                                 self.compiled_threads)
         except Exception as e:                                   # inductor needs a C++ compiler
             log.warning("CPU decode step: torch.compile failed (%s: %s); its layers run eagerly", type(e).__name__, e)
             self.compiled = False

@@ -190,6 +190,7 @@ def test_decode_step_threads_change_nothing_but_speed(fp32, tokens, monkeypatch,
         for name, parallel_bytes, mode in (("all", 0, ALL_THREADS), ("head", 1 << 62, ALL_THREADS),
                                            ("one", 0, ONE_THREAD)):
             step.parallel_bytes, step.threads.mode = parallel_bytes, mode
+            step.compiled_threads = step._layer_threads(mode)        # compiled for this mode's count
             step.threads.apply()
             calls.clear()
             got[name] = one_decode_step(step, tokens[:40])
