@@ -12,6 +12,8 @@ written, and the caller writes it: a cache row written inside the graph would ma
 the whole cache tensor.
 """
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -69,8 +71,18 @@ def decode_layer(residual, norm_in, h_eps_in, qkv, cos, sin, qk_scale, k_cache, 
 compiled_decode_layer = torch.compile(decode_layer)
 
 
-def mark_block_count(block_ids: torch.Tensor) -> None:
-    """Compile for any number of blocks, one included (as data-dependent: no recompiling when a
-    sequence reaches its second block). Inductor's loops are built for the intra-op thread count
-    they run on: each count compiles once."""
+_marked_caches: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()   # by id
+
+
+def mark_sizes(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor) -> None:
+    """Compile for any number of a sequence's blocks, one included (as data-dependent: no
+    recompiling when a sequence reaches its second block), and for any pool size (an engine of
+    another size finds the compiled code in inductor's cache). Inductor's loops are built for the
+    intra-op thread count they run on: each count compiles once."""
     torch._dynamo.decorators.mark_unbacked(block_ids, 0)
+    first = kv_caches[0][0]
+    if _marked_caches.get(id(first)) is not first:
+        for k_cache, v_cache in kv_caches:
+            for cache in (k_cache, v_cache):
+                torch._dynamo.mark_dynamic(cache, 0)
+                _marked_caches[id(cache)] = cache
