@@ -246,3 +246,19 @@ def test_compiled_decode_step_equals_eager(fp32, tokens, length, in_order):
         assert torch.allclose(compiled_row, eager_row, atol=1e-2, rtol=1e-2), (compiled_row - eager_row).abs().max()
     err = (got[True] - got[False]).abs().max().item()
     assert err < UNDECIDED_MARGIN, err
+
+
+def test_a_failed_compile_leaves_the_step_eager(fp32, tokens, monkeypatch, caplog):
+    """Where inductor cannot compile (no C++ compiler) the start-up warns and decode steps run the
+    eager layers."""
+    from models import cpu_llama
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(cpu_llama, "compiled_decode_layer", fail)
+    step = cpu_forward(fp32.model, fp32.gguf_path, "quantized", 512)
+    shape = kernels.cache_shape(4, step.num_kv_heads, 16, step.head_dim)
+    with caplog.at_level("WARNING", logger="models.cpu_llama"):
+        assert step.warm_up([(torch.zeros(shape), torch.zeros(shape)) for _ in step.layers]) is None
+    assert not step.compiled and "torch.compile failed (RuntimeError: no C++ compiler)" in caplog.text
+    assert torch.isfinite(one_decode_step(step, tokens[:20])).all()
