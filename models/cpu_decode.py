@@ -12,8 +12,6 @@ written, and the caller writes it: a cache row written inside the graph would ma
 the whole cache tensor.
 """
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
@@ -71,18 +69,15 @@ def decode_layer(residual, norm_in, h_eps_in, qkv, cos, sin, qk_scale, k_cache, 
 compiled_decode_layer = torch.compile(decode_layer)
 
 
-_marked_caches: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()   # by id
+def mark_sizes(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Compile for any pool size: an engine of another size finds the compiled code in inductor's
+    cache instead of compiling anew (the marks stay on the engine's cache tensors)."""
+    for k_cache, v_cache in kv_caches:
+        torch._dynamo.mark_dynamic(k_cache, 0)
+        torch._dynamo.mark_dynamic(v_cache, 0)
 
 
-def mark_sizes(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor) -> None:
+def mark_block_count(block_ids: torch.Tensor) -> None:
     """Compile for any number of a sequence's blocks, one included (as data-dependent: no
-    recompiling when a sequence reaches its second block), and for any pool size (an engine of
-    another size finds the compiled code in inductor's cache). Inductor's loops are built for the
-    intra-op thread count they run on: each count compiles once."""
+    recompiling when a sequence reaches its second block)."""
     torch._dynamo.decorators.mark_unbacked(block_ids, 0)
-    first = kv_caches[0][0]
-    if _marked_caches.get(id(first)) is not first:
-        for k_cache, v_cache in kv_caches:
-            for cache in (k_cache, v_cache):
-                torch._dynamo.mark_dynamic(cache, 0)
-                _marked_caches[id(cache)] = cache

@@ -23,7 +23,7 @@ from kernels.kv_quant import FP8
 
 from .attention import AttentionBatch, head_dim_of, prefill_attention
 from .cpu_attention import DecodePlan, split_kv_decode, write_new_kv
-from .cpu_decode import compiled_decode_layer, mark_sizes
+from .cpu_decode import compiled_decode_layer, mark_block_count, mark_sizes
 from .cpu_threads import ALL_THREADS, ThreadChooser
 from .quantized import ACT_DTYPE, DenseLinear, GgufTensor, Int4Linear, QuantizedEmbedding, linear_from_gguf, read_gguf
 
@@ -124,7 +124,7 @@ class CpuLlama:
         block_size = batch.kv_caches[0][0].shape[2]
         cached = int(batch.seq_lens[0]) - 1
         block_ids = batch.block_tables[0, :-(-cached // block_size)].long()
-        mark_sizes(batch.kv_caches, block_ids)
+        mark_block_count(block_ids)
         cached_tokens = torch.tensor(cached)
         block, row = divmod(int(batch.slot_mapping[0]), block_size)
         position = int(positions.reshape(-1)[0])
@@ -150,6 +150,7 @@ class CpuLlama:
         if not self.compiled:
             return None
         started = time.perf_counter()
+        mark_sizes(kv_caches)
         position = torch.tensor([[1]], dtype=torch.int32)
         batch = AttentionBatch(kv_caches, position.view(-1), torch.zeros(1, 1, dtype=torch.int32),
                                torch.tensor([2], dtype=torch.int32), is_decode=True)

@@ -57,7 +57,7 @@ def int4_matmul(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]])
     packed, sz = parts[0]
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
     for packed, sz in parts[1:]:
-        y = y + torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
+        y += torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
     return y
 
 
