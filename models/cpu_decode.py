@@ -12,6 +12,8 @@ written, and the caller writes it: a cache row written inside the graph would ma
 the whole cache tensor.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -66,7 +68,11 @@ def decode_layer(residual, norm_in, h_eps_in, qkv, cos, sin, qk_scale, k_cache, 
     return residual, key, value
 
 
-compiled_decode_layer = torch.compile(decode_layer)
+@functools.cache
+def compiled_decode_layer():
+    """``decode_layer`` under ``torch.compile``, made on first use: importing inductor takes over
+    a second, which the processes that never decode (the HTTP workers) need not pay."""
+    return torch.compile(decode_layer)
 
 
 def mark_sizes(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

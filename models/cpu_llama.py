@@ -130,9 +130,10 @@ class CpuLlama:
         position = int(positions.reshape(-1)[0])
         cos, sin = self.cos[position], self.sin[position]
         residual = self.embed(input_ids.reshape(-1)).float()
+        layer = compiled_decode_layer()
         torch.set_num_threads(layer_threads)
         for (norm_in, qkv, o_proj, norm_post, gate_up, down), (k_cache, v_cache) in zip(self.layers, batch.kv_caches):
-            residual, key, value = compiled_decode_layer(
+            residual, key, value = layer(
                 residual, norm_in.scaled, norm_in.hidden_eps, qkv.parts, cos, sin, self.qk_scale, k_cache, v_cache,
                 block_ids, cached_tokens, o_proj.parts, norm_post.scaled, norm_post.hidden_eps, gate_up.parts,
                 down.parts, self.num_q_heads)

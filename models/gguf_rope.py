@@ -4,8 +4,6 @@ ignores that tensor, so a Llama 3.x file would load with unscaled rotary frequen
 parameters are recovered here by finding the llama3 scaling that gives exactly those divisors."""
 
 import itertools
-from pathlib import Path
-
 import numpy as np
 import torch
 from gguf import GGUFReader
@@ -30,16 +28,16 @@ def llama3_divisors(theta: float, head_dim: int, factor: float, low: float, high
     return (default / scaled).numpy()
 
 
-def llama3_rope_parameters(gguf: Path, config) -> dict | None:
-    """The llama3 ``rope_parameters`` that the file's ``rope_freqs`` tensor encodes; None when it
-    has none. A tensor no llama3 scaling explains is refused."""
-    tensor = next((t for t in GGUFReader(gguf).tensors if t.name == ROPE_FREQS), None)
+def llama3_rope_parameters(reader: GGUFReader, name: str, config) -> dict | None:
+    """The llama3 ``rope_parameters`` that the ``rope_freqs`` tensor of the file ``name`` (read by
+    ``reader``) encodes; None when it has none. A tensor no llama3 scaling explains is refused."""
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if tensor is None:
         return None
     divisors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if divisors.shape[0] != head_dim // 2:
-        raise ValueError(f"{gguf.name}: {ROPE_FREQS} has {divisors.shape[0]} entries, head_dim {head_dim} needs "
+        raise ValueError(f"{name}: {ROPE_FREQS} has {divisors.shape[0]} entries, head_dim {head_dim} needs "
                          f"{head_dim // 2}")
     theta = config.rope_parameters["rope_theta"]
     factor = float(divisors.max())
@@ -49,4 +47,4 @@ def llama3_rope_parameters(gguf: Path, config) -> dict | None:
         if np.allclose(llama3_divisors(theta, head_dim, factor, low, high, original), divisors, rtol=1e-4):
             return {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
                     "high_freq_factor": high, "original_max_position_embeddings": original}
-    raise ValueError(f"{gguf.name}: its {ROPE_FREQS} matches no llama3 rope scaling (factor {factor})")
+    raise ValueError(f"{name}: its {ROPE_FREQS} matches no llama3 rope scaling (factor {factor})")

@@ -1,5 +1,7 @@
 """Load a causal LM from any source with our attention wired in."""
 
+import contextlib
+import functools
 import glob
 import hashlib
 import logging
@@ -9,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf as gguf_package
 import torch
 from filelock import FileLock, Timeout
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -114,10 +117,36 @@ def _convert(gguf: Path, folder: Path) -> None:
     log.info("converted in %.1f s", time.monotonic() - started)
 
 
+@contextlib.contextmanager
+def _gguf_work_done_once():
+    """transformers' GGUF loader parses the whole file (the tokenizer's ~100k strings: 3 s for the
+    embedded model) once for the config, once for the weights and once for the tokenizer, and
+    builds gguf's tensor-name map (a few ms) once per module of the model, ~400 times. Within this
+    block each is made once: every ``gguf.GGUFReader`` of a path is the first one (they only
+    read it), every ``gguf.get_tensor_name_map`` of an architecture and depth the first map."""
+    make_reader, make_map = gguf_package.GGUFReader, gguf_package.get_tensor_name_map
+    readers = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = make_reader(path, mode)
+        return readers[key]
+
+    gguf_package.GGUFReader, gguf_package.get_tensor_name_map = reader, functools.cache(make_map)
+    try:
+        yield reader
+    finally:
+        gguf_package.GGUFReader, gguf_package.get_tensor_name_map = make_reader, make_map
+
+
 def _write_checkpoint(gguf: Path, folder: Path) -> None:
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    if model.config.model_type == "llama" and (rope := llama3_rope_parameters(gguf, model.config)) is not None:
+    with _gguf_work_done_once() as reader:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        rope = llama3_rope_parameters(reader(gguf), gguf.name, model.config) \
+            if model.config.model_type == "llama" else None
+    if rope is not None:
         log.info("%s: llama3 rope scaling %s, from its rope_freqs tensor", gguf.name, rope)
         model.config.rope_parameters = rope        # the saved config carries it; loading builds the rotary table
     # The weights are dequantized to float32 on load; what is saved is a plain checkpoint.

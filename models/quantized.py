@@ -16,6 +16,8 @@ scalar loop, 20-30x slower: docs/cpu.md), so the scales are rounded to bfloat16.
 bfloat16.
 """
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT, GGUFReader
 from gguf.quants import dequantize
+
+from .loader import gguf_cache_folder
 
 GROUP = 32            # ggml's block of the types above; also the int4 kernel's group size
 ACT_DTYPE = torch.bfloat16
@@ -94,12 +98,44 @@ class GgufTensor:
 
 def read_gguf(path: Path) -> tuple[str, dict[str, GgufTensor]]:
     """The file's architecture name and its tensors (memory-mapped)."""
-    reader = GGUFReader(path)
+    table = _tensor_table(Path(path))
+    data = np.memmap(path, mode="r")
     tensors = {}
-    for t in reader.tensors:
-        shape = tuple(int(n) for n in reversed(t.shape))      # ggml lists the fastest dimension first
-        tensors[t.name] = GgufTensor(t.name, QT(int(t.tensor_type)), shape, t.data)
-    return str(reader.fields["general.architecture"].contents()), tensors
+    for name, qtype, shape, offset, dtype, data_shape in table["tensors"]:
+        dtype = np.dtype(dtype)
+        count = int(np.prod(data_shape))
+        values = data[offset:offset + count * dtype.itemsize].view(dtype).reshape(data_shape)
+        tensors[name] = GgufTensor(name, QT(qtype), tuple(shape), values)
+    return table["architecture"], tensors
+
+
+TABLE_VERSION = 1
+
+
+def _tensor_table(path: Path) -> dict:
+    """Where each tensor lies in the file, from gguf's reader. Its parse of the whole file takes
+    seconds (the tokenizer's strings), so the table is kept beside the file's conversion in the
+    cache (its name carries the file's identity: a changed file gets a table of its own)."""
+    kept = gguf_cache_folder(path)
+    kept = kept.with_name(kept.name + ".tensors.json")
+    try:
+        table = json.loads(kept.read_text())
+        if table.get("version") == TABLE_VERSION:
+            return table
+    except (OSError, ValueError):
+        pass
+    reader = GGUFReader(path)
+    table = {"version": TABLE_VERSION, "architecture": str(reader.fields["general.architecture"].contents()),
+             "tensors": [[t.name, int(t.tensor_type), [int(n) for n in reversed(t.shape)], int(t.data_offset),
+                          t.data.dtype.str, list(t.data.shape)] for t in reader.tensors]}
+    partial = kept.with_name(f"{kept.name}.{os.getpid()}")
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(table))
+        os.replace(partial, kept)
+    except OSError:
+        pass                         # a read-only cache: parsed again next time
+    return table
 
 
 def _blocks(t: GgufTensor, block_bytes: int) -> np.ndarray:

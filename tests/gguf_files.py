@@ -1,6 +1,7 @@
 """Writing a model's float32 weights as a GGUF file laid out as llama.cpp's converter lays them out
 (so transformers' GGUF loader reads it back as it reads published files), for loading tests."""
 
+import functools
 from pathlib import Path
 
 import gguf
@@ -19,16 +20,21 @@ def _interleave_heads(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
-    """The SmolLM2 tokenizer (the random presets' tokenizer) and its chat template, from the embedded GGUF."""
+@functools.cache
+def _embedded_tokenizer_fields() -> list[tuple[str, object, gguf.GGUFValueType]]:
+    """The SmolLM2 tokenizer (the random presets' tokenizer) and its chat template, from the
+    embedded GGUF (parsed once per session: seconds)."""
     reader = gguf.GGUFReader(embedded_gguf_path())
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_array(key, field.contents())
+    return [(key, field.contents(), field.types[0]) for key, field in reader.fields.items()
+            if key.startswith("tokenizer.")]
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
+    for key, value, kind in _embedded_tokenizer_fields():
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
         else:
-            writer.add_key_value(key, field.contents(), field.types[0])
+            writer.add_key_value(key, value, kind)
 
 
 def write_gguf(model, path: Path) -> Path:

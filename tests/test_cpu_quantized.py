@@ -1,6 +1,7 @@
 """The CPU path's pieces against float64: ggml blocks as packed int4 matmuls, the quantised
 embedding, the split-KV decode over cache blocks, and the --cpu-weights choice."""
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -10,7 +11,7 @@ from gguf.quants import quantize
 import kernels
 from models.cpu_attention import DecodePlan, split_kv_decode, write_new_kv
 from models.cpu_llama import cpu_forward, decode_parallel_bytes, interleave_rows
-from models.quantized import GgufTensor, Int4Linear, QuantizedEmbedding, linear_from_gguf
+from models.quantized import GgufTensor, Int4Linear, QuantizedEmbedding, linear_from_gguf, read_gguf
 from server.cli import engine_options, parse_args
 
 TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0]
@@ -60,6 +61,49 @@ def test_types_without_an_int4_form_run_dense():
     ref = x.double() @ torch.from_numpy(t.dequantize()).double().T
     assert not isinstance(lin, Int4Linear)
     assert (lin(x).double() - ref).abs().max() <= 2 ** -6 * ref.abs().max()
+
+
+def write_small_gguf(path, seed: int) -> dict[str, np.ndarray]:
+    """A file of a few tensors of different types; what each holds, as gguf writes it."""
+    rng = np.random.default_rng(seed)
+    written = {"a.weight": quantize(rng.standard_normal((8, 64)).astype(np.float32), QT.Q4_1),
+               "b.weight": quantize(rng.standard_normal((4, 32)).astype(np.float32), QT.Q8_0),
+               "c.weight": rng.standard_normal(48).astype(np.float32)}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(500)])
+    writer.add_tensor("a.weight", written["a.weight"], raw_dtype=QT.Q4_1)
+    writer.add_tensor("b.weight", written["b.weight"], raw_dtype=QT.Q8_0)
+    writer.add_tensor("c.weight", written["c.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written
+
+
+def test_the_tensor_table_kept_in_the_cache_reads_what_gguf_reads(tmp_path, monkeypatch):
+    """The second read comes from the table kept beside the conversion, not gguf's parse; an edited
+    file is parsed anew."""
+    monkeypatch.setenv("FLASHDECODE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "small.gguf"
+    write_small_gguf(path, seed=0)
+    parses = []
+    monkeypatch.setattr("models.quantized.GGUFReader", lambda p: parses.append(p) or gguf.GGUFReader(p))
+    expected = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for _ in range(2):
+        arch, tensors = read_gguf(path)
+        assert arch == "llama" and tensors.keys() == expected.keys()
+        for name, t in tensors.items():
+            want = expected[name]
+            assert (t.qtype, t.shape) == (want.tensor_type, tuple(int(n) for n in reversed(want.shape)))
+            assert t.data.dtype == want.data.dtype and np.array_equal(t.data, want.data)
+    assert len(parses) == 1 and list((tmp_path / "cache" / "models").glob("small-*.tensors.json"))
+
+    written = write_small_gguf(path, seed=1)
+    _, tensors = read_gguf(path)
+    assert len(parses) == 2
+    assert np.array_equal(tensors["a.weight"].data, written["a.weight"])
+    assert np.array_equal(tensors["c.weight"].data, written["c.weight"])
 
 
 def test_rows_reorder_keeps_blocks():
@@ -137,3 +181,21 @@ def test_decode_matmuls_on_all_threads_only_where_it_pays(monkeypatch, policy, w
     else:
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
     assert decode_parallel_bytes() == wide
+
+
+def test_a_conversion_parses_each_file_and_builds_each_name_map_once(tmp_path):
+    from models.loader import _gguf_work_done_once
+
+    path = tmp_path / "small.gguf"
+    write_small_gguf(path, seed=0)
+    reader_class, map_function = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError):
+        with _gguf_work_done_once():
+            first = gguf.GGUFReader(str(path))
+            assert gguf.GGUFReader(path) is first and first.tensors[0].name == "a.weight"
+            name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+            assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is name_map
+            assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3) is not name_map
+            raise RuntimeError("a failed conversion")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, map_function)
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
