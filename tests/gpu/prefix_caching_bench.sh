@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Prefix caching on and off, same host, same run: for each model one server with caching and one
-# without (taking turns), each loaded with
+# without, side by side, taking turns level by level for ROUNDS rounds, each loaded with
 #   - a shared prefix: every request starts with the same PREFIX tokens, then OWN of its own,
 #     OUTPUT tokens out, at concurrency 1 (few requests) and 16, 64;
 #   - multi-turn chat: conversations of TURNS turns, each resending the conversation so far;
 #   - nothing shared: random prompts of OWN tokens at concurrency 64.
 # Then a table: TTFT p50 off / on at 16, output tok/s on / off at 64, the same for the chat and
-# for the prompts with nothing shared.
+# for the prompts with nothing shared (medians over the rounds of each round's ratio).
 #
 #   bash tests/gpu/prefix_caching_bench.sh OUT_DIR
 #   MODELS=random:tiny DEVICE=cpu PREFIX=64 OWN=8 OUTPUT=4 REQUESTS=8 SECONDS_PER_LEVEL=5 TURNS=2 bash tests/gpu/prefix_caching_bench.sh /tmp/p
@@ -24,6 +24,8 @@ SECONDS_PER_LEVEL=${SECONDS_PER_LEVEL:-10}  # and none started after this many s
 TURNS=${TURNS:-8}
 WORKERS=${WORKERS:-8}            # client processes: two ran at 190 % of 2 cores at 64 streams and set the pace
 SERVER_ARGS=${SERVER_ARGS:-}
+ROUNDS=${ROUNDS:-2}
+MEMORY_FRACTION=${MEMORY_FRACTION:-0.4}   # each of the two servers'
 
 healthy() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; }
 free_port() { python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
@@ -40,32 +42,53 @@ loadgen() {   # loadgen NAME ARGS...: one run against the server on $port, into 
   grep -E "c=[0-9]+: " "$dir/$name.log" | sed "s/^.*loadgen INFO /  $name /"
 }
 
+start_server() {   # start_server CACHING: a server on a free port, its pid and port in $server_CACHING / $port_CACHING
+  local caching=$1 dir="$out/${model//[:\/]/_}/$1" flag="" p
+  mkdir -p "$dir"
+  p=$(free_port)
+  [ "$caching" = off ] && flag="--no-prefix-caching"
+  python3 -m server --model "$model" --device "$DEVICE" --port "$p" --gpu-memory-fraction "$MEMORY_FRACTION" \
+      $flag $SERVER_ARGS > "$dir/server.log" 2>&1 &
+  eval "server_$caching=$! port_$caching=$p"
+}
+
+# Both servers run side by side (each with a share of the GPU's memory) and take turns level by
+# level, round by round (on first in odd rounds, off first in even ones), so that each on / off
+# pair is measured minutes apart at most, on the same warm GPU.
 for model in $MODELS; do
+  echo "== $model: a server with prefix caching and one without, taking turns for $ROUNDS rounds"
+  start_server on; start_server off
+  up=1
   for caching in on off; do
-    dir="$out/${model//[:\/]/_}/$caching"
-    mkdir -p "$dir"
-    port=$(free_port)
-    flag=""; [ "$caching" = off ] && flag="--no-prefix-caching"
-    echo "== $model, prefix caching $caching"
-    python3 -m server --model "$model" --device "$DEVICE" --port "$port" $flag $SERVER_ARGS > "$dir/server.log" 2>&1 &
-    server=$!
+    port=$(eval echo "\$port_$caching"); server=$(eval echo "\$server_$caching")
     for _ in $(seq 600); do
       healthy && break
-      kill -0 $server 2>/dev/null || break
+      kill -0 "$server" 2>/dev/null || break
       sleep 0.5
     done
-    if healthy; then
-      grep -E "prefix caching|captured prefill" "$dir/server.log" | sed 's/^/  /' | cut -c1-200
-      loadgen shared_c1 --concurrency 1 --num-prompts 8 --shared-prefix "$PREFIX" --input-len "$OWN"
-      loadgen shared16 --concurrency 16 --num-prompts "$REQUESTS" --shared-prefix "$PREFIX" --input-len "$OWN"
-      loadgen shared64 --concurrency 64 --num-prompts "$REQUESTS" --shared-prefix "$PREFIX" --input-len "$OWN"
-      loadgen chat --concurrency 16 --num-prompts "$REQUESTS" --multi-turn "$TURNS" --input-len "$OWN"
-      loadgen none --concurrency 64 --num-prompts "$REQUESTS" --input-len "$OWN"
-    else
-      echo "  the server did not become healthy:"; tail -20 "$dir/server.log"
-    fi
-    kill $server 2>/dev/null; wait $server 2>/dev/null
+    healthy || { echo "  the $caching server did not become healthy:"; tail -20 "$out/${model//[:\/]/_}/$caching/server.log"; up=0; }
   done
+  if [ $up = 1 ]; then
+    for caching in on off; do
+      grep -E "prefix caching|captured prefill" "$out/${model//[:\/]/_}/$caching/server.log" | sed "s/^/  $caching: /" | cut -c1-200
+    done
+    for round in $(seq "$ROUNDS"); do
+      order="on off"; [ $((round % 2)) = 0 ] && order="off on"
+      for level in shared_c1 shared16 shared64 chat none; do
+        for caching in $order; do
+          dir="$out/${model//[:\/]/_}/$caching"; port=$(eval echo "\$port_$caching")
+          case $level in
+            shared_c1) loadgen "$level.r$round" --concurrency 1 --num-prompts 8 --shared-prefix "$PREFIX" --input-len "$OWN" ;;
+            shared16) loadgen "$level.r$round" --concurrency 16 --num-prompts "$REQUESTS" --shared-prefix "$PREFIX" --input-len "$OWN" ;;
+            shared64) loadgen "$level.r$round" --concurrency 64 --num-prompts "$REQUESTS" --shared-prefix "$PREFIX" --input-len "$OWN" ;;
+            chat) loadgen "$level.r$round" --concurrency 16 --num-prompts "$REQUESTS" --multi-turn "$TURNS" --input-len "$OWN" ;;
+            none) loadgen "$level.r$round" --concurrency 64 --num-prompts "$REQUESTS" --input-len "$OWN" ;;
+          esac
+        done
+      done
+    done
+  fi
+  kill "$server_on" "$server_off" 2>/dev/null; wait "$server_on" "$server_off" 2>/dev/null
 done
 
 python3 - "$out" <<'EOF'
@@ -74,59 +97,99 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 
-def level(path, concurrency):
-    try:
-        doc = json.loads((path / "results.json").read_text())
-    except (OSError, ValueError):
+
+def rounds(folder, name, concurrency):
+    """The level's summary in each round, in round order (None where a round has none)."""
+    found = []
+    for path in sorted(folder.glob(f"{name}.r*/"), key=lambda p: int(p.name.rsplit(".r", 1)[1])):
+        try:
+            doc = json.loads((path / "results.json").read_text())
+        except (OSError, ValueError):
+            found.append(None)
+            continue
+        found.append(next((lv["summary"] for lv in doc["levels"] if lv["level"].get("concurrency") == concurrency), None))
+    return found
+
+
+def value(summary, key):
+    if summary is None:
         return None
-    return next((lv["summary"] for lv in doc["levels"] if lv["level"].get("concurrency") == concurrency), None)
+    return summary["ttft_ms"]["p50"] if key == "ttft" else summary[key]
 
-def ratio(a, b):
-    return f"{a / b:.2f}x" if a and b else "-"
 
-rows = ["| model | TTFT p50 at 16, off / on (>= 3x) | tok/s at 64, on / off (>= 1.5x) | multi-turn chat, tok/s on / off | "
+def ratio(model_dir, name, concurrency, key, on_over_off):
+    """The median over rounds of each round's on / off (or off / on) ratio, and the rounds' ratios."""
+    ratios = []
+    for on, off in zip(rounds(model_dir / "on", name, concurrency), rounds(model_dir / "off", name, concurrency)):
+        a, b = value(on, key), value(off, key)
+        if a and b:
+            ratios.append(a / b if on_over_off else b / a)
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)})"
+
+
+def median_of(model_dir, caching, name, concurrency, key):
+    values = [v for v in (value(s, key) for s in rounds(model_dir / caching, name, concurrency)) if v is not None]
+    return statistics.median(values) if values else None
+
+
+rows = ["Medians over the rounds of each round's ratio (each round's in brackets).", "",
+        "| model | TTFT p50 at 16, off / on (>= 3x) | tok/s at 64, on / off (>= 1.5x) | multi-turn chat, tok/s on / off | "
         "nothing shared, tok/s on / off (>= 0.98x) | cached share at 16 / 64 / chat / none |", "|---|---:|---:|---:|---:|---:|"]
-for model_dir in sorted(p for p in out.iterdir() if p.is_dir()):
-    on, off = model_dir / "on", model_dir / "off"
-    s16 = [level(d / "shared16", 16) for d in (on, off)]
-    s64 = [level(d / "shared64", 64) for d in (on, off)]
-    chat = [level(d / "chat", 16) for d in (on, off)]
-    none = [level(d / "none", 64) for d in (on, off)]
-    get = lambda s, *keys: None if s is None else (s[keys[0]][keys[1]] if len(keys) == 2 else s[keys[0]])
-    shares = [get(s, "cached_prompt_share") for s in (s16[0], s64[0], chat[0], none[0])]
+models = sorted(p for p in out.iterdir() if p.is_dir())
+for model_dir in models:
+    shares = [median_of(model_dir, "on", name, c, "cached_prompt_share")
+              for name, c in (("shared16", 16), ("shared64", 64), ("chat", 16), ("none", 64))]
     rows.append(" | ".join([
-        f"| {model_dir.name}", ratio(get(s16[1], "ttft_ms", "p50"), get(s16[0], "ttft_ms", "p50")),
-        ratio(get(s64[0], "output_throughput"), get(s64[1], "output_throughput")),
-        ratio(get(chat[0], "output_throughput"), get(chat[1], "output_throughput")),
-        ratio(get(none[0], "output_throughput"), get(none[1], "output_throughput")),
+        f"| {model_dir.name}", ratio(model_dir, "shared16", 16, "ttft", False),
+        ratio(model_dir, "shared64", 64, "output_throughput", True),
+        ratio(model_dir, "chat", 16, "output_throughput", True),
+        ratio(model_dir, "none", 64, "output_throughput", True),
         " / ".join("-" if v is None else f"{v:.0%}" for v in shares)]) + " |")
 
+rows += ["", "Medians over the rounds: TTFT p50 (ms) and output tok/s per level", "",
+         "| model | caching | TTFT p50 at 1 | TTFT p50 at 16 | tok/s at 64 | chat tok/s at 16 | nothing shared, tok/s at 64 |",
+         "|---|---|---:|---:|---:|---:|---:|"]
+for model_dir in models:
+    for caching in ("on", "off"):
+        cells = [median_of(model_dir, caching, "shared_c1", 1, "ttft"), median_of(model_dir, caching, "shared16", 16, "ttft"),
+                 median_of(model_dir, caching, "shared64", 64, "output_throughput"),
+                 median_of(model_dir, caching, "chat", 16, "output_throughput"),
+                 median_of(model_dir, caching, "none", 64, "output_throughput")]
+        fmt = ["{:.1f}", "{:.1f}", "{:,.0f}", "{:,.0f}", "{:,.0f}"]
+        rows.append(f"| {model_dir.name} | {caching} | "
+                    + " | ".join("-" if v is None else f.format(v) for f, v in zip(fmt, cells)) + " |")
 
-def server_side(path):
-    """Medians of the server's own per-request timings, in ms: tokenisation, engine queue, engine TTFT."""
-    try:
-        reqs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
-        return None
+
+def server_side(folder, name):
+    """Medians of the server's own per-request timings over every round, in ms: tokenisation,
+    admission to first token, engine queue, engine TTFT, delivery."""
+    reqs = []
+    for path in folder.glob(f"{name}.r*.requests.jsonl"):
+        try:
+            reqs += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError):
+            pass
     if not reqs:
-        return None
+        return None, 0
     return [1e3 * statistics.median(r.get(key) or 0.0 for r in reqs)
-            for key in ("tokenize_s", "first_token_s", "queue_s", "ttft_s", "first_token_delivery_s")]
+            for key in ("tokenize_s", "first_token_s", "queue_s", "ttft_s", "first_token_delivery_s")], len(reqs)
 
 
-rows += ["", "Where TTFT goes at 1 and 16 streams with the shared prefix (medians, ms): the client's TTFT; in the API "
+rows += ["", "Where TTFT goes at 1 and 16 streams with the shared prefix (ms; the client's TTFT: the median of the "
+         "rounds' p50; the rest: medians over every round's requests, from the server's request log): in the API "
          "worker, tokenisation and admission to the first token; in the engine, the queue and its TTFT (arrival "
          "in the engine to its first token); the first token's trip from the engine to the API worker", "",
          "| model | streams | caching | client TTFT | tokenize | API: admitted to 1st token | engine queue | "
          "engine TTFT | delivery | requests |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-for model_dir in sorted(p for p in out.iterdir() if p.is_dir()):
+for model_dir in models:
     for name, streams in (("shared_c1", 1), ("shared16", 16)):
         for caching in ("on", "off"):
-            s = level(model_dir / caching / name, streams)
-            parts = server_side(model_dir / caching / f"{name}.requests.jsonl")
-            cells = [f"{s['ttft_ms']['p50']:.1f}" if s else "-"] + ([f"{v:.1f}" for v in parts] if parts else ["-"] * 5)
-            rows.append(f"| {model_dir.name} | {streams} | {caching} | " + " | ".join(cells)
-                        + f" | {s['completed'] if s else '-'} |")
+            ttft = median_of(model_dir, caching, name, streams, "ttft")
+            parts, count = server_side(model_dir / caching, name)
+            cells = ["-" if ttft is None else f"{ttft:.1f}"] + ([f"{v:.1f}" for v in parts] if parts else ["-"] * 5)
+            rows.append(f"| {model_dir.name} | {streams} | {caching} | " + " | ".join(cells) + f" | {count} |")
 table = "\n".join(rows)
 (out / "summary.md").write_text(table + "\n")
 print(table)
