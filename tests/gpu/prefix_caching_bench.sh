@@ -42,14 +42,22 @@ loadgen() {   # loadgen NAME ARGS...: one run against the server on $port, into 
   grep -E "c=[0-9]+: " "$dir/$name.log" | sed "s/^.*loadgen INFO /  $name /"
 }
 
-start_server() {   # start_server CACHING: a server on a free port, its pid and port in $server_CACHING / $port_CACHING
-  local caching=$1 dir="$out/${model//[:\/]/_}/$1" flag="" p
+start_server() {   # start_server CACHING FRACTION: a server on a free port, healthy; its pid and port in $server_CACHING / $port_CACHING
+  local caching=$1 fraction=$2 dir="$out/${model//[:\/]/_}/$1" flag=""
   mkdir -p "$dir"
-  p=$(free_port)
+  port=$(free_port)
   [ "$caching" = off ] && flag="--no-prefix-caching"
-  python3 -m server --model "$model" --device "$DEVICE" --port "$p" --gpu-memory-fraction "$MEMORY_FRACTION" \
+  python3 -m server --model "$model" --device "$DEVICE" --port "$port" --gpu-memory-fraction "$fraction" \
       $flag $SERVER_ARGS > "$dir/server.log" 2>&1 &
-  eval "server_$caching=$! port_$caching=$p"
+  server=$!
+  eval "server_$caching=$server port_$caching=$port"
+  for _ in $(seq 600); do
+    healthy && break
+    kill -0 "$server" 2>/dev/null || break
+    sleep 0.5
+  done
+  healthy || { echo "  the $caching server did not become healthy:"; tail -20 "$dir/server.log"; return 1; }
+  grep -E "prefix caching|captured prefill|KV pool" "$dir/server.log" | sed "s/^/  $caching: /" | cut -c1-220
 }
 
 # Both servers run side by side (each with a share of the GPU's memory) and take turns level by
@@ -57,21 +65,10 @@ start_server() {   # start_server CACHING: a server on a free port, its pid and 
 # pair is measured minutes apart at most, on the same warm GPU.
 for model in $MODELS; do
   echo "== $model: a server with prefix caching and one without, taking turns for $ROUNDS rounds"
-  start_server on; start_server off
-  up=1
-  for caching in on off; do
-    port=$(eval echo "\$port_$caching"); server=$(eval echo "\$server_$caching")
-    for _ in $(seq 600); do
-      healthy && break
-      kill -0 "$server" 2>/dev/null || break
-      sleep 0.5
-    done
-    healthy || { echo "  the $caching server did not become healthy:"; tail -20 "$out/${model//[:\/]/_}/$caching/server.log"; up=0; }
-  done
-  if [ $up = 1 ]; then
-    for caching in on off; do
-      grep -E "prefix caching|captured prefill" "$out/${model//[:\/]/_}/$caching/server.log" | sed "s/^/  $caching: /" | cut -c1-200
-    done
+  server_on="" server_off=""
+  # the second server's share counts the first one's memory as used (gpu_memory_fraction is of
+  # the whole device), so it asks for twice the share to get as much again
+  if start_server on "$MEMORY_FRACTION" && start_server off "$(python3 -c "print(2 * $MEMORY_FRACTION)")"; then
     for round in $(seq "$ROUNDS"); do
       order="on off"; [ $((round % 2)) = 0 ] && order="off on"
       for level in shared_c1 shared16 shared64 chat none; do
@@ -88,7 +85,7 @@ for model in $MODELS; do
       done
     done
   fi
-  kill "$server_on" "$server_off" 2>/dev/null; wait "$server_on" "$server_off" 2>/dev/null
+  kill $server_on $server_off 2>/dev/null; wait $server_on $server_off 2>/dev/null
 done
 
 python3 - "$out" <<'EOF'

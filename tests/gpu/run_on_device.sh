@@ -62,7 +62,7 @@ if want engine-bench; then
 fi
 if want prefix; then
   stamp "prefix caching on and off (tests/gpu/prefix_caching_bench.sh)"
-  timeout 480 bash tests/gpu/prefix_caching_bench.sh "$OUT/prefix" 2>&1 | tee "$OUT/prefix.log" | tail -40
+  timeout "${PREFIX_TIMEOUT:-480}" bash tests/gpu/prefix_caching_bench.sh "$OUT/prefix" 2>&1 | tee "$OUT/prefix.log" | tail -40
   summary+=("prefix caching: see $OUT/prefix/summary.md")
 fi
 if want http; then
