@@ -4,6 +4,7 @@ ignores that tensor, so a Llama 3.x file would load with unscaled rotary frequen
 parameters are recovered here by finding the llama3 scaling that gives exactly those divisors."""
 
 import itertools
+
 import numpy as np
 import torch
 from gguf import GGUFReader
