@@ -73,7 +73,7 @@ for model in $MODELS; do
       order="on off"; [ $((round % 2)) = 0 ] && order="off on"
       for level in shared_c1 shared16 shared64 chat none; do
         for caching in $order; do
-          dir="$out/${model//[:\/]/_}/$caching"; port=$(eval echo "\$port_$caching")
+          dir="$out/${model//[:\/]/_}/$caching"; port_of=port_$caching; port=${!port_of}
           case $level in
             shared_c1) loadgen "$level.r$round" --concurrency 1 --num-prompts 8 --shared-prefix "$PREFIX" --input-len "$OWN" ;;
             shared16) loadgen "$level.r$round" --concurrency 16 --num-prompts "$REQUESTS" --shared-prefix "$PREFIX" --input-len "$OWN" ;;
@@ -98,7 +98,8 @@ out = Path(sys.argv[1])
 def rounds(folder, name, concurrency):
     """The level's summary in each round, in round order (None where a round has none)."""
     found = []
-    for path in sorted(folder.glob(f"{name}.r*/"), key=lambda p: int(p.name.rsplit(".r", 1)[1])):
+    runs = [p for p in folder.glob(f"{name}.r*") if p.is_dir()]          # not the .log / .requests.jsonl beside them
+    for path in sorted(runs, key=lambda p: int(p.name.rsplit(".r", 1)[1])):
         try:
             doc = json.loads((path / "results.json").read_text())
         except (OSError, ValueError):
