@@ -9,7 +9,7 @@ from models import load_model
 from server.engine import Engine, EngineConfig, FinishEvent, SamplingParams
 from server.engine.block_manager import BlockManager
 from server.engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from server.engine.sampler import SamplingRows, hashed_uniforms, sample
+from server.engine.sampler import SamplingRows, argmax_rows, hashed_uniforms, sample
 
 from .helpers import (check_one_request_fails_then_the_engine_serves, failing_on_second_call, run_all,
                       tokens_under)
@@ -109,6 +109,24 @@ def test_greedy_and_degenerate_filters_pick_the_argmax():
     assert torch.equal(sample(logits, rows(5, top_p=[1e-6] * 5))[0], best)
 
 
+def tied_logits(rows: int, width: int, device="cpu") -> torch.Tensor:
+    """Logits with many ties (a few distinct values), some rows all equal, some with -inf."""
+    x = torch.randint(0, 4, (rows, width), device=device).float()
+    x[0] = 1.0
+    if rows > 2:
+        x[2, : width // 2] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("width", [49152, 128256, 151936, 262144, 1000, 997])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_two_pass_argmax_is_the_first_maximum(rows, width):
+    x = tied_logits(rows, width)
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    y = torch.randn(rows, width)
+    assert torch.equal(argmax_rows(y), y.argmax(dim=-1))
+
+
 def test_seeded_draw_does_not_depend_on_the_batch():
     logits = torch.randn(4, 1000)
     alone = sample(logits[2:3], rows(1, seeds=[99], positions=[7]))[0]
@@ -187,7 +205,7 @@ def test_repetition_penalty_and_every_option_through_the_engine(tiny):
 
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny):
     engine = Engine(tiny, EngineConfig(max_batch=4, num_blocks=32, block_size=16))
-    engine.core.runner.decode = failing_on_second_call(engine.core.runner.decode)
+    engine.core.runner._decode = failing_on_second_call(engine.core.runner._decode)
     engine.start()
     try:
         check_one_request_fails_then_the_engine_serves(engine)
@@ -324,6 +342,7 @@ def test_decode_metadata_rows_and_padding(tiny):
         runner.pipeline.load(full, [-1] * 8, 8)
     rows = 8                                           # a bucket larger than the batch: 3 padding rows
     runner.pipeline.load(seqs, sources, rows)
+    runner.pipeline.select_inputs(rows)
     width = max(len(s.block_table) for s in seqs)
     for i in range(rows):
         if i < len(seqs):

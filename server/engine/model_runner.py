@@ -3,7 +3,9 @@ CUDA graphs captured per batch-size bucket.
 
 A decode step's metadata goes to the device in one copy (``pipeline.py`` owns that protocol and
 the read-back of the sampled ids); padded rows of a bucket carry slot -1 (they write nothing) and
-length 1. The KV pool, the split workspace and every static buffer are allocated once here.
+length 1. A decode graph picks its rows' input ids, runs the model and takes the greedy ids, so a
+step of greedy requests is a copy in, a replay and a copy out; other requests are sampled after
+the replay. The KV pool, the split workspace and every static buffer are allocated once here.
 """
 
 import functools
@@ -21,9 +23,9 @@ from models import (AttentionBatch, FusedDecoder, LoadedModel, cpu_forward, cpu_
 from .config import EngineConfig
 from .graphs import capture_graphs
 from .kv_scales import CALIBRATION_TEXT, KvScales, calibrate, calibration_ids, load_scales
-from .pipeline import DecodeInputs, Sampled, StepPipeline
+from .pipeline import Sampled, StepPipeline
 from .prefill_graphs import PrefillGraphs, key_rows
-from .sampler import SamplingRows, sample
+from .sampler import SamplingRows, argmax_rows, clean_logits, sample
 from .threads import configure_cpu_threads
 
 log = logging.getLogger(__name__)
@@ -98,7 +100,8 @@ class ModelRunner:
         if self.kv_dtype != self.dtype:
             log.info("KV pool: %d tokens in %d blocks of %d (%s)%s", self.kv_tokens, self.num_blocks, self.block_size,
                      str(self.kv_dtype).replace("torch.", ""), self._pool_comparison(config))
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # {batch bucket: (graph, (logits, greedy ids))}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.capture_seconds = 0.0
         self.prefill_graphs = None
         prefill_buckets = config.prefill_buckets(self.device.type == "cuda")
@@ -179,22 +182,24 @@ class ModelRunner:
     # ---- decode inputs ---------------------------------------------------------------------
 
     def _init_decode_buffers(self):
-        n = self.max_batch
-        self.input_ids = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
-        self.positions = torch.zeros(n, 1, dtype=torch.int32, device=self.device)
-        self.slots = torch.full((n,), -1, dtype=torch.int32, device=self.device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=self.device)
-        self.block_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
-        self.pipeline = StepPipeline(DecodeInputs(self.input_ids, self.positions, self.slots, self.seq_lens,
-                                                  self.block_tables), self.block_size, self.device)
+        self.pipeline = StepPipeline(self.max_batch, self.max_blocks_per_seq, self.block_size, self.device)
+        p = self.pipeline
+        self.input_ids, self.positions, self.slots, self.seq_lens, self.block_tables = (
+            p.input_ids, p.positions, p.slots, p.seq_lens, p.block_tables)
 
     def _decode_batch(self, rows: int) -> AttentionBatch:
         return AttentionBatch(self.kv_caches, self.slots[:rows], self.block_tables[:rows],
                               self.seq_lens[:rows], is_decode=True, workspace=self.workspace,
                               kv_scales=self.kv_scales)
 
-    def _decode_forward(self, rows: int) -> torch.Tensor:
-        return self.forward(self.input_ids[:rows], self.positions[:rows], self._decode_batch(rows))
+    def _decode_forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step of the first ``rows`` rows loaded: their input ids picked, the forward,
+        the greedy ids written to ``pipeline.sampled``. Returns (logits, greedy ids)."""
+        self.pipeline.select_inputs(rows)
+        logits = self.forward(self.input_ids[:rows], self.positions[:rows], self._decode_batch(rows))
+        greedy = argmax_rows(clean_logits(logits))
+        self.pipeline.sampled[:rows].copy_(greedy)
+        return logits, greedy
 
     # ---- CUDA graphs ----------------------------------------------------------------------
 
@@ -215,8 +220,10 @@ class ModelRunner:
     def decode_step(self, seqs, rows: SamplingRows) -> Sampled | None:
         """One decode step of ``seqs``, inputs taken from the step in flight where they are still on
         the device, sampled and sent to the host; returns the previous decode step's ids."""
-        logits = self.decode(seqs, self.pipeline.sources(seqs))
-        ids, logprobs = sample(logits, rows)
+        logits, greedy = self._decode(seqs, self.pipeline.sources(seqs))
+        ids = logprobs = None
+        if not rows.greedy_only:                       # else the step wrote its ids already
+            ids, logprobs = sample(logits, rows, greedy)
         for seq in seqs:
             seq.num_cached = seq.total_len
         return self.pipeline.launch(seqs, ids, logprobs)
@@ -237,14 +244,17 @@ class ModelRunner:
     def decode(self, seqs, sources=None) -> torch.Tensor:
         """Logits [len(seqs), vocab] for the next token of each sequence (see
         ``StepPipeline.load`` for ``sources``)."""
+        return self._decode(seqs, sources)[0]
+
+    def _decode(self, seqs, sources=None) -> tuple[torch.Tensor, torch.Tensor]:
         batch = len(seqs)
         bucket = self.bucket_for(batch)
         self.pipeline.load(seqs, sources or [-1] * batch, bucket or batch)
         if bucket is None:
             return self._decode_forward(batch)
-        graph, logits = self.graphs[bucket]
+        graph, (logits, greedy) = self.graphs[bucket]
         graph.replay()
-        return logits[:batch]
+        return logits[:batch], greedy[:batch]
 
     def _slots(self, seq, first: int, take: int) -> list[int]:
         bs, table = self.block_size, seq.block_table

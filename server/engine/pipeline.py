@@ -3,10 +3,13 @@
 A decode step is launched before the previous step's sampled ids are read back, so the host's
 bookkeeping overlaps the device's next step. That needs, all owned here:
 
-- two pinned host buffers of decode metadata taking turns (one is rewritten while the other's
+- one device buffer holding the last decode's sampled ids and the metadata of the next step
+  (host ids, where each row's input id comes from, positions, slots, lengths, block table); the
+  positions, slots and lengths the graphs read are views of it, so one copy loads them;
+- two pinned host buffers of that metadata taking turns (one is rewritten while the other's
   copy may still be pending), each with the event of its copy;
-- the sampled ids of the step in flight, kept on the device, and each row's source: the row of
-  the previous step whose sampled id is this row's input, or -1 when the host knows the input;
+- each row's source: the row of the previous step whose sampled id is this row's input, or -1
+  when the host knows the input (``select_inputs`` picks them on the device, inside the graph);
 - three pinned read-back buffers (two for decode steps taking turns, one for prefills), each
   with the event that marks its copy done, and the step whose ids are on their way.
 
@@ -29,29 +32,23 @@ class Sampled(NamedTuple):
     waited_s: float                               # host time spent waiting for the copy
 
 
-class DecodeInputs(NamedTuple):
-    """The static device tensors a decode graph reads (rows x ...)."""
-    input_ids: torch.Tensor                       # [n, 1]
-    positions: torch.Tensor                       # [n, 1]
-    slots: torch.Tensor                           # [n]
-    seq_lens: torch.Tensor                        # [n]
-    block_tables: torch.Tensor                    # [n, max_blocks_per_seq]
-
-
 class _Readback:
-    """One step's sampled ids on their way to a pinned host buffer (one copy per step)."""
+    """One step's sampled ids (and log-probabilities) on their way to pinned host buffers."""
 
-    def __init__(self, seqs, host: torch.Tensor, count: int, with_logprobs: bool, done):
-        self.seqs, self._host, self._count, self._with_logprobs, self._done = seqs, host, count, with_logprobs, done
+    def __init__(self, seqs, ids_host: torch.Tensor, logprobs_host: torch.Tensor | None, count: int, done):
+        self.seqs, self._ids, self._logprobs, self._count, self._done = seqs, ids_host, logprobs_host, count, done
 
     @classmethod
-    def launch(cls, seqs, ids: torch.Tensor, logprobs: torch.Tensor | None, host: torch.Tensor,
-               done: torch.cuda.Event | None) -> "_Readback":
-        packed = ids.double() if logprobs is None else torch.cat([ids.double(), logprobs.double()])
-        host[:packed.shape[0]].copy_(packed, non_blocking=True)
+    def launch(cls, seqs, ids: torch.Tensor, logprobs: torch.Tensor | None, ids_host: torch.Tensor,
+               logprobs_host: torch.Tensor, done: torch.cuda.Event | None) -> "_Readback":
+        """``ids``: int32 on the device."""
+        count = ids.shape[0]
+        ids_host[:count].copy_(ids, non_blocking=True)
+        if logprobs is not None:
+            logprobs_host[:count].copy_(logprobs, non_blocking=True)
         if done is not None:
             done.record()
-        return cls(seqs, host, ids.shape[0], logprobs is not None, done)
+        return cls(seqs, ids_host, logprobs_host if logprobs is not None else None, count, done)
 
     def read(self) -> Sampled:
         waited = 0.0
@@ -60,26 +57,37 @@ class _Readback:
             self._done.synchronize()
             waited = time.monotonic() - started
         n = self._count
-        values = self._host[:2 * n if self._with_logprobs else n].tolist()
+        ids = self._ids[:n].tolist()
+        logprobs = self._logprobs[:n].tolist() if self._logprobs is not None else None
         for seq in self.seqs:
             seq.pending -= 1
-        return Sampled(self.seqs, [int(v) for v in values[:n]], values[n:] if self._with_logprobs else None, waited)
+        return Sampled(self.seqs, ids, logprobs, waited)
 
 
 class StepPipeline:
-    def __init__(self, inputs: DecodeInputs, block_size: int, device: torch.device):
-        self.inputs = inputs
-        self.block_size = block_size
-        n, widest = inputs.block_tables.shape
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
+        n, widest = max_batch, max_blocks_per_seq
         self.max_batch = n
+        self.block_size = block_size
         pin = device.type == "cuda"
-        # ids | source rows | positions | slots | lengths | block table (rows x widest table)
+        # device: sampled ids | host ids | input rows | positions | slots | lengths | block table (rows x width);
+        # the host buffers hold everything after the sampled ids, in the same layout
+        self._packed = torch.zeros(6 * n + n * widest, dtype=torch.int32, device=device)
         self._hosts = [torch.zeros(5 * n + n * widest, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._turn = 0
-        self._packed = torch.zeros_like(self._hosts[0], device=device)
-        self.sampled = torch.zeros(n, dtype=torch.int32, device=device)     # the last decode's ids
-        self._readback = [(torch.zeros(2 * n, dtype=torch.float64, pin_memory=pin),
+        self.sampled = self._packed[0:n]                               # the last decode's ids
+        self._input_rows = self._packed[2 * n:3 * n]                   # of _packed: sampled ids, then host ids
+        # the static inputs a decode graph reads
+        self.input_ids = torch.zeros(n, 1, dtype=torch.int32, device=device)
+        self.positions = self._packed[3 * n:4 * n].view(n, 1)
+        self.slots = self._packed[4 * n:5 * n]
+        self.seq_lens = self._packed[5 * n:6 * n]
+        self.block_tables = torch.zeros(n, widest, dtype=torch.int32, device=device)
+        self.slots.fill_(-1)
+        self.seq_lens.fill_(1)
+        self._readback = [(torch.zeros(n, dtype=torch.int32, pin_memory=pin),
+                           torch.zeros(n, dtype=torch.float32, pin_memory=pin),
                            torch.cuda.Event() if pin else None) for _ in range(3)]
         self._steps = 0
         self._inflight: _Readback | None = None
@@ -95,8 +103,9 @@ class StepPipeline:
         return [rows[id(seq)] if seq.pending else -1 for seq in seqs]
 
     def load(self, seqs, sources, rows: int) -> None:
-        """Fill the static inputs' first ``rows`` rows for ``seqs``; the rest are padding (slot -1,
-        length 1). Row i's input id is ``sampled[sources[i]]`` where ``sources[i] >= 0``."""
+        """Fill the static inputs' first ``rows`` rows for ``seqs`` (the rest are padding: slot -1,
+        length 1) but the input ids, which ``select_inputs`` takes: row i's is ``sampled[sources[i]]``
+        where ``sources[i] >= 0``, else the id the host knows."""
         n, bs = self.max_batch, self.block_size
         width = max(len(s.block_table) for s in seqs)
         self._turn ^= 1
@@ -104,15 +113,17 @@ class StepPipeline:
         if self._copied is not None:
             self._copied[self._turn].synchronize()          # returns at once if never recorded
         h = host.numpy()
-        ids, src, pos = h[0:rows], h[n:n + rows], h[2 * n:2 * n + rows]
+        ids, pick, pos = h[0:rows], h[n:n + rows], h[2 * n:2 * n + rows]
         slots, lens = h[3 * n:3 * n + rows], h[4 * n:4 * n + rows]
         table = h[5 * n:5 * n + rows * width].reshape(rows, width)
         b = len(seqs)
-        ids[b:], src[b:], pos[b:], slots[b:], lens[b:], table[b:] = 0, -1, 0, -1, 1, 0   # padding rows
+        ids[b:], pos[b:], slots[b:], lens[b:], table[b:] = 0, 0, -1, 1, 0          # padding rows
+        pick[:] = np.arange(n, n + rows)                    # host ids: _packed[n + row]
         # whole columns from Python lists, the ragged block tables as one flat padded sequence
         pos[:b] = [s.total_len - 1 for s in seqs]
         lens[:b] = pos[:b] + 1
-        src[:b] = sources
+        src = np.asarray(sources, dtype=np.int32)
+        pick[:b] = np.where(src >= 0, src, pick[:b])
         ids[:b] = [(s.output_ids[-1] if s.output_ids else s.prompt_ids[-1]) if k < 0 else 0
                    for s, k in zip(seqs, sources)]
         pad = [0] * width
@@ -120,33 +131,35 @@ class StepPipeline:
         table[:b] = np.fromiter(padded, dtype=np.int32, count=b * width).reshape(b, width)
         slots[:b] = table[np.arange(b), pos[:b] // bs] * bs + pos[:b] % bs
         count = 5 * n + rows * width
-        self._packed[:count].copy_(host[:count], non_blocking=True)
+        self._packed[n:n + count].copy_(host[:count], non_blocking=True)
         if self._copied is not None:
             self._copied[self._turn].record()
-        d, x = self._packed, self.inputs
-        from_device = d[n:n + rows]
-        x.input_ids[:rows, 0] = torch.where(from_device >= 0, self.sampled[from_device.clamp(min=0)], d[0:rows])
-        x.positions[:rows, 0].copy_(d[2 * n:2 * n + rows])
-        x.slots[:rows].copy_(d[3 * n:3 * n + rows])
-        x.seq_lens[:rows].copy_(d[4 * n:4 * n + rows])
-        x.block_tables[:rows, :width].copy_(d[5 * n:5 * n + rows * width].view(rows, width))
+        at = 6 * n
+        self.block_tables[:rows, :width].copy_(self._packed[at:at + rows * width].view(rows, width))
 
-    def launch(self, seqs, ids: torch.Tensor, logprobs: torch.Tensor | None) -> Sampled | None:
-        """A decode step's sampled ids: kept on the device for the next step's inputs and sent to
-        the host; returns the previous step's, read back (None if there was none)."""
-        self.sampled[:ids.shape[0]].copy_(ids)
+    def select_inputs(self, rows: int) -> None:
+        """The input ids of the first ``rows`` rows, from the sampled ids or the host's (one
+        gather on the device, so a graph replays it)."""
+        torch.index_select(self._packed, 0, self._input_rows[:rows], out=self.input_ids[:rows, 0])
+
+    def launch(self, seqs, ids: torch.Tensor | None, logprobs: torch.Tensor | None) -> Sampled | None:
+        """A decode step's sampled ids (None: the step already wrote them into ``sampled``): kept
+        on the device for the next step's inputs and sent to the host; returns the previous
+        step's, read back (None if there was none)."""
+        if ids is not None:
+            self.sampled[:ids.shape[0]].copy_(ids)
         for seq in seqs:
             seq.pending += 1
         self._steps += 1
         previous = self._inflight
-        self._inflight = _Readback.launch(seqs, ids, logprobs, *self._readback[self._steps % 2])
+        self._inflight = _Readback.launch(seqs, self.sampled[:len(seqs)], logprobs, *self._readback[self._steps % 2])
         return previous.read() if previous is not None else None
 
     def read_now(self, seqs, ids: torch.Tensor, logprobs: torch.Tensor | None) -> Sampled:
         """A prefill's sampled ids, read back at once (the decode step in flight is left alone)."""
         for seq in seqs:
             seq.pending += 1
-        return _Readback.launch(seqs, ids, logprobs, *self._readback[2]).read()
+        return _Readback.launch(seqs, ids.to(torch.int32), logprobs, *self._readback[2]).read()
 
     def drain(self) -> Sampled | None:
         """The step in flight, read back; None when there is none."""

@@ -6,6 +6,7 @@ E come from a counter-based hash of (request seed, output position, token id), s
 with a seed yields the same text whatever else shares its batch.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,31 @@ class SamplingRows:
     positions: list[int]                 # output index of the token being drawn
     history: list[list[int]] | None      # token ids seen, for rows with a repetition penalty
     want_logprobs: bool
+
+    @property
+    def greedy_only(self) -> bool:
+        """Whether every row takes the argmax of its unchanged logits, without log-probabilities."""
+        return (not self.want_logprobs and all(t <= 0 for t in self.temperature)
+                and all(p == 1.0 for p in self.repetition_penalty))
+
+
+def clean_logits(logits: torch.Tensor) -> torch.Tensor:
+    """float32 logits with NaN read as -inf (a NaN is never drawn)."""
+    return torch.nan_to_num(logits.float(), nan=float("-inf"))
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor (the first index of each row's maximum), in two passes:
+    the maxima of up to 256 equal slices of each row, then the best slice. One pass over a
+    vocabulary-wide row runs one row per thread block (28 us over 128,256 logits on an H200)."""
+    n, width = x.shape
+    slices = math.gcd(width, 256)
+    if slices < 16:
+        return x.argmax(dim=-1)
+    step = width // slices
+    best, at = x.view(n, slices, step).max(dim=-1)
+    which = best.argmax(dim=-1, keepdim=True)
+    return (which * step + at.gather(1, which)).squeeze(1)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -73,12 +99,16 @@ def _filter_top_k_top_p(scaled, top_k, top_p):
     return torch.full_like(scaled, float("-inf")).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns token ids [n] (int64) and, if asked, their log-probabilities [n]."""
-    logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
+def sample(logits: torch.Tensor, rows: SamplingRows,
+           greedy_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns token ids [n] (int64) and, if asked, their log-probabilities [n]. ``greedy_ids``:
+    ``argmax_rows(clean_logits(logits))`` where already known (used unless a row has a penalty)."""
+    logits = clean_logits(logits)
     if any(p != 1.0 for p in rows.repetition_penalty):
         _apply_repetition_penalty(logits, rows.repetition_penalty, rows.history)
-    greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = None
+    if greedy_ids is None:
+        greedy_ids = argmax_rows(logits)
     ids, scaled = greedy_ids, logits
     if not all(t <= 0 for t in rows.temperature):
         device = logits.device
@@ -90,7 +120,7 @@ def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torc
                                    torch.tensor(rows.positions, dtype=torch.int64, device=device),
                                    logits.shape[-1])
         race = scaled.softmax(dim=-1) / -torch.log(uniforms)
-        drawn = race.argmax(dim=-1)
+        drawn = argmax_rows(race)
         greedy_rows = torch.tensor([t <= 0 for t in rows.temperature], device=device)
         ids = torch.where(greedy_rows, greedy_ids, drawn)
     logprobs = None

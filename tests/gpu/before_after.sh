@@ -43,12 +43,22 @@ want kernel && for name in before after; do
   in_tree $name timeout 300 python3 -m kernels.bench --out "$OUT/kernel_$name" --repeat 3 \
       > "$OUT/kernel_$name.log" 2>&1 || echo "kernel benchmark of $name failed (see kernel_$name.log)"
 done
+# ENGINE_MODELS: model@batches entries, each run by both trees in every round (the --hf column
+# and the long-context rows with the first only; HF=0, LONG=0 for none)
+ENGINE_MODELS=${ENGINE_MODELS:-random:smollm2-135m@1,16,64,256}
 want engine && for round in $(seq "$ROUNDS"); do
-  for name in before after; do
-    stamp "engine benchmark, $name, round $round"
-    in_tree $name timeout 300 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m \
-        --batch 1 16 64 256 --long-batch 1 8 --hf --repeats 3 --out "$OUT/engine_${name}_$round.json" \
-        > "$OUT/engine_${name}_$round.log" 2>&1 || echo "engine benchmark of $name failed (see engine_${name}_$round.log)"
+  first=1
+  for entry in $ENGINE_MODELS; do
+    model=${entry%@*} batches=${entry#*@} tag=${model//[:\/.]/_}
+    hf=""; [ "$first" = 1 ] && [ "${HF:-1}" = 1 ] && hf="--hf"
+    long=""; [ "$first" = 1 ] && [ "${LONG:-1}" = 1 ] && long="--long-batch 1 8"
+    first=0
+    for name in before after; do
+      stamp "engine benchmark, $model, $name, round $round"
+      in_tree $name timeout 300 python3 -m load_tests.engine_bench --device cuda --model "$model" \
+          --batch ${batches//,/ } $long $hf --repeats 3 --out "$OUT/engine_${tag}_${name}_$round.json" \
+          > "$OUT/engine_${tag}_${name}_$round.log" 2>&1 || echo "engine benchmark of $name failed (see engine_${tag}_${name}_$round.log)"
+    done
   done
 done
 stamp "done"

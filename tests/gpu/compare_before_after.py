@@ -41,24 +41,33 @@ def kernel_table(out: Path) -> list[str]:
 
 
 def engine_table(out: Path) -> list[str]:
-    runs = {"before": [], "after": []}
-    for name in runs:
-        for path in sorted(out.glob(f"engine_{name}_*.json")):
-            rows = json.loads(path.read_text())["ours"]
-            runs[name].append({(r["batch"], r["prompt_len"], r["new_tokens"]): r["ours_tok_per_s"] for r in rows})
-    if not runs["before"] or not runs["after"]:
+    """One table per model: engine_<model>_<tree>_<round>.json."""
+    runs: dict[str, dict[str, list]] = {}
+    for path in sorted(out.glob("engine_*_*_*.json")):
+        tag, name, _ = path.stem[len("engine_"):].rsplit("_", 2)
+        doc = json.loads(path.read_text())
+        runs.setdefault(tag, {"before": [], "after": []})[name].append(
+            {(r["batch"], r["prompt_len"], r["new_tokens"]): r["ours_tok_per_s"] for r in doc["ours"]})
+    if not runs:
         return ["engine: runs missing"]
-    lines = ["| B | prompt | new | before tok/s (runs) | after tok/s (runs) | after / before (medians) | spread of before |",
-             "|---|---|---|---|---|---|---|"]
-    for key in runs["after"][0]:
-        b = [r[key] for r in runs["before"] if key in r]
-        a = [r[key] for r in runs["after"] if key in r]
-        if not b or not a:
+    lines = []
+    for tag, trees in runs.items():
+        if not trees["before"] or not trees["after"]:
+            lines.append(f"engine, {tag}: runs missing")
             continue
-        spread = (max(b) - min(b)) / statistics.median(b)
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {' / '.join(f'{x:,.0f}' for x in b)} | "
-                     f"{' / '.join(f'{x:,.0f}' for x in a)} | {statistics.median(a) / statistics.median(b):.3f}x | "
-                     f"{100 * spread:.1f} % |")
+        lines += [f"engine, {tag}:", "",
+                  "| B | prompt | new | before tok/s (runs) | after tok/s (runs) | after / before (medians) | spread of before |",
+                  "|---|---|---|---|---|---|---|"]
+        for key in trees["after"][0]:
+            b = [r[key] for r in trees["before"] if key in r]
+            a = [r[key] for r in trees["after"] if key in r]
+            if not b or not a:
+                continue
+            spread = (max(b) - min(b)) / statistics.median(b)
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {' / '.join(f'{x:,.0f}' for x in b)} | "
+                         f"{' / '.join(f'{x:,.0f}' for x in a)} | {statistics.median(a) / statistics.median(b):.3f}x | "
+                         f"{100 * spread:.1f} % |")
+        lines.append("")
     return lines
 
 

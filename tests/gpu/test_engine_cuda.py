@@ -161,15 +161,67 @@ def test_prefill_graphs_after_cached_prefixes_match_whole_prompts(together):
     assert (cached - whole).norm() / whole.norm() < 2e-2
 
 
-def test_graph_replay_gives_the_eager_tokens():
+@pytest.mark.parametrize("sampled", [False, True])
+def test_graph_replay_gives_the_eager_tokens(sampled):
+    """Greedy steps take the ids the graph computed; with seeded sampled requests (and
+    log-probabilities) in the batch, the step samples after the replay: the same tokens either way."""
     loaded = load_model("random:smollm2-135m", dtype="bfloat16", device="cuda")
     rng = random.Random()
     prompts = [[rng.randrange(10, 40000) for _ in range(rng.randint(5, 200))] for _ in range(4)]
-    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    greedy = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    requests = [(p, greedy) for p in prompts]
+    if sampled:
+        requests[1:3] = [(p, SamplingParams(max_new_tokens=48, ignore_eos=True, temperature=0.9, top_p=0.95,
+                                            seed=3 + i, logprobs=i == 0)) for i, p in enumerate(prompts[1:3])]
     configs = [EngineConfig(max_batch=4, num_blocks=512, cuda_graphs=graphs, graph_buckets=(1, 2, 4))
                for graphs in (True, False)]
-    results = tokens_under(loaded, configs, [(p, params) for p in prompts])
+    results = tokens_under(loaded, configs, requests)
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("width", [49152, 128256, 151936, 262144, 997])
+@pytest.mark.parametrize("rows", [1, 5, 256])
+def test_two_pass_argmax_is_the_first_maximum_on_the_gpu(rows, width):
+    from server.engine.sampler import argmax_rows
+    from ..test_engine import tied_logits
+    x = tied_logits(rows, width, device="cuda")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    y = torch.randn(rows, width, device="cuda")
+    assert torch.equal(argmax_rows(y), y.argmax(dim=-1))
+
+
+def test_a_greedy_decode_step_is_one_copy_in_one_replay_and_one_copy_out():
+    """Outside its graph, a greedy decode step launches the metadata copy, the block-table copy
+    and the read-back of the ids; picking the input ids and the argmax replay in the graph."""
+    from torch.profiler import ProfilerActivity, profile
+    from server.engine.sampler import SamplingRows
+    loaded = load_model("random:smollm2-135m", dtype="bfloat16", device="cuda")
+    runner = ModelRunner(loaded, EngineConfig(max_batch=4, num_blocks=64, block_size=32, graph_buckets=(1, 4)),
+                         max_model_len=1024)
+    blocks = BlockManager(runner.num_blocks, runner.block_size)
+    seqs = []
+    for i in range(3):
+        seq = Sequence(f"s{i}", [11 + 5 * i + j for j in range(40)], SamplingParams(), 0)
+        blocks.grow(seq.block_table, seq.length + 8)
+        seqs.append(seq)
+    rows = SamplingRows([0.0] * 3, [0] * 3, [1.0] * 3, [1.0] * 3, [0] * 3, [0] * 3, None, False)
+    with torch.inference_mode():
+        runner.prefill([(s, s.length) for s in seqs])
+        for s in seqs:
+            s.num_cached = s.length
+            s.append(7)
+        runner.decode_step(seqs, rows)                 # its ids stay in flight: the next step reads them there
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            sampled = runner.decode_step(seqs, rows)
+            torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    launches = [n for n in names if n.startswith("cudaLaunchKernel")]
+    copies = [n for n in names if n.startswith("cudaMemcpy")]
+    assert names.count("cudaGraphLaunch") == 1, names
+    assert len(launches) == 1, f"kernels launched outside the graph: {launches}"
+    assert len(copies) == 2, f"copies: {copies}"
+    assert sampled is not None and len(sampled.ids) == 3
 
 
 def test_every_block_returns_on_the_gpu():
