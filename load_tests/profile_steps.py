@@ -2,6 +2,7 @@
 the top host and device operations (torch.profiler), with a Chrome trace per step kind.
 
     python -m load_tests.profile_steps --model random:smollm2-135m --out results/profile
+    python -m load_tests.profile_steps --batch 1 --shared-prefix 2048 --prefix-batch 1 16   # prefills after a cached prefix
 """
 
 import argparse
@@ -42,17 +43,51 @@ def steady_decode(core, batch: int, prompt, counter) -> list[str]:
     return ids
 
 
+def prefix_rows(core, args, counter, report: list[str]) -> list[tuple[str, float]]:
+    """Prefill steps of prompts that share a cached ``--shared-prefix``, each with its own
+    ``--prompt-len`` tokens after it, ``--prefix-batch`` prompts a step: wall time, and the
+    device time of the largest by kernel."""
+    prefix = [2000 + i % 20000 for i in range(args.shared_prefix)]
+    own = iter(range(30000, 10**9))
+
+    def prefill_after_prefix(n: int):
+        for _ in range(n):
+            core.add(f"p{next(counter)}", prefix + [next(own) % 40000 + 5 for _ in range(args.prompt_len)],
+                     SamplingParams(max_new_tokens=1, ignore_eos=True), seed=0)
+        core.run_until_idle()
+
+    prefill_after_prefix(1)                            # caches the prefix
+    rows = []
+    for n in args.prefix_batch:
+        prefill_after_prefix(n)                        # warm
+        rows.append((f"prefill, {n} x {args.prompt_len} tokens after a cached {args.shared_prefix}-token prefix",
+                     timed(lambda: prefill_after_prefix(n), 5)))
+    n = max(args.prefix_batch)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prefill_after_prefix(n)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(args.out / "prefill_after_prefix.json"))
+    report.append(f"## prefill of {n} x {args.prompt_len} tokens after a cached {args.shared_prefix}-token prefix\n\n"
+                  f"{prof.key_averages().table(sort_by='self_cuda_time_total', row_limit=15)}")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:smollm2-135m")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="KV cache block size")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="also time prefills of prompts that start with this many cached tokens")
+    ap.add_argument("--prefix-batch", type=int, nargs="+", default=[1, 16],
+                    help="prompts per prefill step after the cached prefix")
     ap.add_argument("--out", type=Path, default=Path("results/profile"))
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     loaded = load_model(args.model, device="cuda")
-    core = EngineCore(loaded, EngineConfig(max_batch=max(args.batch), num_blocks=(1 << 18) // args.block_size,
+    max_batch = max(args.batch + (args.prefix_batch if args.shared_prefix else []))
+    core = EngineCore(loaded, EngineConfig(max_batch=max_batch, num_blocks=(1 << 18) // args.block_size,
                                            max_model_len=4096, block_size=args.block_size),
                       publish=lambda pairs, stats: None)
     prompt = list(range(1000, 1000 + args.prompt_len))
@@ -83,6 +118,8 @@ def main(argv=None):
         prefill_one()
     prof.export_chrome_trace(str(args.out / "prefill.json"))
     report = [f"## prefill\n\n{prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=20)}"]
+    if args.shared_prefix:
+        rows += prefix_rows(core, args, counter, report)
     for batch in args.batch:
         started = steady_decode(core, batch, prompt, counter)
         elapsed = timed(lambda: [core.step() for _ in range(40)], 1) / 40
@@ -112,7 +149,7 @@ def main(argv=None):
             core.abort(request_id)
         core.run_until_idle()
     (args.out / "profile.md").write_text("\n\n".join(report))
-    print("\n".join(report[-2:]))
+    print("\n".join([r for r in report if r.startswith("## prefill of")] + report[-2:]))
     print("\n| what | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value * 1e3:.2f} ms |" if value < 10 else f"| {name} | {value:.0f} |")
