@@ -126,6 +126,8 @@ def main(argv=None):
         rows.append((f"decode step, B={batch} (all running, no prefill)", elapsed))
         bucket = core.runner.bucket_for(batch)
         if bucket is not None:
+            # each replay feeds its own greedy ids to the next: the tokens of these requests no
+            # longer match the host's, which is why they are aborted below
             graph = core.runner.graphs[bucket][0]
             rows.append((f"  its graph replayed alone (device time), B={batch}",
                          timed(lambda: [graph.replay() for _ in range(50)], 3) / 50))

@@ -4,9 +4,10 @@ import torch
 
 
 @torch.inference_mode()
-def capture_graphs(forward, sizes, device: torch.device, prepare=None) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+def capture_graphs(forward, sizes, device: torch.device, prepare=None) -> dict:
     """``forward(size)`` captured for each size, largest first so the smaller graphs fit in the
-    pool the largest one made. Returns ``{size: (graph, output)}``; replay writes ``output``.
+    pool the largest one made. Returns ``{size: (graph, output)}``; replay writes ``output`` (what
+    ``forward`` returned: a tensor or a tuple of them).
     ``prepare(size)``, if given, sets the static inputs before each size's eager warm-up runs."""
     graphs, pool = {}, None
     for size in sorted(sizes, reverse=True):

@@ -35,7 +35,7 @@ class SamplingRows:
 
 def clean_logits(logits: torch.Tensor) -> torch.Tensor:
     """float32 logits with NaN read as -inf (a NaN is never drawn)."""
-    return torch.nan_to_num(logits.float(), nan=float("-inf"))
+    return logits.to(torch.float32, copy=True).nan_to_num_(nan=float("-inf"))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
