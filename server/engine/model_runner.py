@@ -25,7 +25,7 @@ from .graphs import capture_graphs
 from .kv_scales import CALIBRATION_TEXT, KvScales, calibrate, calibration_ids, load_scales
 from .pipeline import Sampled, StepPipeline
 from .prefill_graphs import PrefillGraphs, key_rows
-from .sampler import SamplingRows, argmax_rows, clean_logits, sample
+from .sampler import SamplingRows, argmax_rows, clean_logits, sample, sample_clean
 from .threads import configure_cpu_threads
 
 log = logging.getLogger(__name__)
@@ -194,10 +194,11 @@ class ModelRunner:
 
     def _decode_forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step of the first ``rows`` rows loaded: their input ids picked, the forward,
-        the greedy ids written to ``pipeline.sampled``. Returns (logits, greedy ids)."""
+        the greedy ids written to ``pipeline.sampled``. Returns the logits (``clean_logits``) and
+        the greedy ids."""
         self.pipeline.select_inputs(rows)
-        logits = self.forward(self.input_ids[:rows], self.positions[:rows], self._decode_batch(rows))
-        greedy = argmax_rows(clean_logits(logits))
+        logits = clean_logits(self.forward(self.input_ids[:rows], self.positions[:rows], self._decode_batch(rows)))
+        greedy = argmax_rows(logits)
         self.pipeline.sampled[:rows].copy_(greedy)
         return logits, greedy
 
@@ -223,7 +224,7 @@ class ModelRunner:
         logits, greedy = self._decode(seqs, self.pipeline.sources(seqs))
         ids = logprobs = None
         if not rows.greedy_only:                       # else the step wrote its ids already
-            ids, logprobs = sample(logits, rows, greedy)
+            ids, logprobs = sample_clean(logits, rows, greedy)
         for seq in seqs:
             seq.num_cached = seq.total_len
         return self.pipeline.launch(seqs, ids, logprobs)
@@ -242,8 +243,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, seqs, sources=None) -> torch.Tensor:
-        """Logits [len(seqs), vocab] for the next token of each sequence (see
-        ``StepPipeline.load`` for ``sources``)."""
+        """Logits [len(seqs), vocab] for the next token of each sequence, float32 with NaN read as
+        -inf (see ``StepPipeline.load`` for ``sources``)."""
         return self._decode(seqs, sources)[0]
 
     def _decode(self, seqs, sources=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,6 +78,7 @@ class StepPipeline:
         self._turn = 0
         self.sampled = self._packed[0:n]                               # the last decode's ids
         self._input_rows = self._packed[2 * n:3 * n]                   # of _packed: sampled ids, then host ids
+        self._host_id_rows = np.arange(n, 2 * n, dtype=np.int32)       # where row i's host id lies in _packed
         # the static inputs a decode graph reads
         self.input_ids = torch.zeros(n, 1, dtype=torch.int32, device=device)
         self.positions = self._packed[3 * n:4 * n].view(n, 1)
@@ -118,10 +119,10 @@ class StepPipeline:
         table = h[5 * n:5 * n + rows * width].reshape(rows, width)
         b = len(seqs)
         ids[b:], pos[b:], slots[b:], lens[b:], table[b:] = 0, 0, -1, 1, 0          # padding rows
-        pick[:] = np.arange(n, n + rows)                    # host ids: _packed[n + row]
         # whole columns from Python lists, the ragged block tables as one flat padded sequence
         pos[:b] = [s.total_len - 1 for s in seqs]
         lens[:b] = pos[:b] + 1
+        pick[:] = self._host_id_rows[:rows]
         src = np.asarray(sources, dtype=np.int32)
         pick[:b] = np.where(src >= 0, src, pick[:b])
         ids[:b] = [(s.output_ids[-1] if s.output_ids else s.prompt_ids[-1]) if k < 0 else 0

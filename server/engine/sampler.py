@@ -99,11 +99,15 @@ def _filter_top_k_top_p(scaled, top_k, top_p):
     return torch.full_like(scaled, float("-inf")).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, rows: SamplingRows,
-           greedy_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns token ids [n] (int64) and, if asked, their log-probabilities [n]. ``greedy_ids``:
-    ``argmax_rows(clean_logits(logits))`` where already known (used unless a row has a penalty)."""
-    logits = clean_logits(logits)
+def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns token ids [n] (int64) and, if asked, their log-probabilities [n]."""
+    return sample_clean(clean_logits(logits), rows)
+
+
+def sample_clean(logits: torch.Tensor, rows: SamplingRows,
+                 greedy_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``sample`` of logits that went through ``clean_logits`` (a repetition penalty changes them in
+    place); ``greedy_ids``: their ``argmax_rows`` where already known."""
     if any(p != 1.0 for p in rows.repetition_penalty):
         _apply_repetition_penalty(logits, rows.repetition_penalty, rows.history)
         greedy_ids = None
