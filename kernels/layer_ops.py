@@ -1,7 +1,8 @@
 """The small per-layer ops around attention: RMSNorm (optionally fused with the residual add),
 the gated activations (SiLU or tanh-GELU of the gate, times up), rotary embedding fused with the
 per-head q/k norms and the KV-cache write, and the projections of a decode step's few rows (a
-GEMV that can also apply the gated activation to its input, and add a bias).
+GEMV that can also take the residual add and RMSNorm in front of it, add a bias, or end in the
+gated activation).
 
 CUDA tensors run the kernels in ``csrc/layer_ops.cu`` (ops ``torch.ops.flashdecode.*``); CPU
 tensors run the same arithmetic in PyTorch. Rounding follows transformers' Llama modules.
@@ -37,14 +38,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms_norm_torch(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """In place: ``residual += x``, then ``x = rms_norm(residual)``."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(residual + x), residual + x)``, the sum rounded once to x's dtype."""
     if x.is_cuda:
         _load(x.device)
-        torch.ops.flashdecode.add_rms_norm(x, residual, weight, eps)
-        return
-    residual.add_(x)
-    x.copy_(_rms_norm_torch(residual, weight, eps))
+        return torch.ops.flashdecode.add_rms_norm(x, residual, weight, eps)
+    summed = residual + x
+    return _rms_norm_torch(summed, weight, eps), summed
 
 
 # The gated MLP activations, by transformers' names, and their codes in the CUDA ops.
@@ -72,36 +73,59 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # Where a projection runs our GEMV instead of cuBLAS, by measurement (python -m
-# kernels.bench_layer_ops): up to 4 rows, weights up to 4 M elements (larger ones, the LM head
-# or a 4096-wide model's projections, stream as fast or faster through cuBLAS).
-GEMV_MAX_ROWS = 4
-GEMV_MAX_WEIGHT = 4 << 20
-GEMV_MAX_INPUT_BYTES = 200 * 1024         # its input rows live in shared memory
+# kernels.bench_layer_ops, and the decode step of each preset at B=1): one row with up to
+# GEMV_MAX_OUT output features and GEMV_MAX_WEIGHT weight elements (past those its warps' chains
+# of loads are longer than cuBLAS's), two rows with up to GEMV_MAX_WEIGHT_TWO_ROWS elements;
+# more rows always take cuBLAS.
+GEMV_MAX_OUT = 16384
+GEMV_MAX_WEIGHT = 40 << 20
+GEMV_MAX_WEIGHT_TWO_ROWS = 2 << 20
+GEMV_MAX_INPUT_BYTES = 200 * 1024         # its input rows live in shared memory, as float32
 
 
-def _gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and weight.numel() <= GEMV_MAX_WEIGHT
-            and x.shape[0] * weight.shape[1] * x.element_size() <= GEMV_MAX_INPUT_BYTES)
+def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear(x, weight)`` and its fused forms run our GEMV (else cuBLAS)."""
+    rows, (n, k) = x.shape[0], weight.shape
+    if not x.is_cuda or rows * k * 4 > GEMV_MAX_INPUT_BYTES:
+        return False
+    if rows == 1:
+        return n <= GEMV_MAX_OUT and n * k <= GEMV_MAX_WEIGHT
+    return rows == 2 and n * k <= GEMV_MAX_WEIGHT_TWO_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``."""
-    if _gemv_serves(x, weight):
+    if gemv_serves(x, weight):
         _load(x.device)
-        return torch.ops.flashdecode.gemv(x, weight, False, bias)
+        return torch.ops.flashdecode.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def act_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, act: str) -> torch.Tensor:
-    """``act_and_mul(gate_up, act) @ weight.T``: the MLP's down projection, fused for a few rows."""
-    if _gemv_serves(gate_up, weight):
-        _load(gate_up.device)
-        return torch.ops.flashdecode.gemv(gate_up, weight, True, None, _act_code(act))
-    return F.linear(act_and_mul(gate_up, act), weight)
+def gated_linear(x: torch.Tensor, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """The gated MLP's input to its down projection: ``act(x @ gate.T) * (x @ up.T)`` for
+    ``gate_up = [gate; up]`` (the two weights stacked, ``[2 * inter, hidden]``)."""
+    code = _act_code(act)
+    if gemv_serves(x, gate_up):
+        _load(x.device)
+        return torch.ops.flashdecode.gemv(x, gate_up, None, code)
+    return act_and_mul(F.linear(x, gate_up), act)
 
 
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return act_mul_linear(gate_up, weight, "silu")
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection after the residual add and RMSNorm: ``(linear(h, weight, bias), residual + x)``
+    with ``h = rms_norm(residual + x, norm_weight)``, or ``gated_linear(h, weight, act)`` when
+    ``act`` is given. For a decode step's few rows one launch does all of it."""
+    code = None if act is None else _act_code(act)
+    if code is not None and bias is not None:
+        raise ValueError(f"a gated projection ({act}) takes no bias")
+    if gemv_serves(x, weight):
+        _load(x.device)
+        return torch.ops.flashdecode.add_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias,
+                                                       -1 if code is None else code)
+    h, summed = add_rms_norm(x, residual, norm_weight, eps)
+    return (linear(h, weight, bias) if act is None else gated_linear(h, weight, act)), summed
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,

@@ -57,15 +57,19 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("flashdecode::add_rms_norm")
     def _add_rms_norm_fake(x, residual, weight, eps):
-        return None
+        return x.new_empty(x.shape), x.new_empty(x.shape)
 
     @torch.library.register_fake("flashdecode::silu_and_mul")
     def _silu_and_mul_fake(x, act=0):
         return x.new_empty(x.shape[0], x.shape[1] // 2)
 
     @torch.library.register_fake("flashdecode::gemv")
-    def _gemv_fake(x, w, gated=False, bias=None, act=0):
-        return x.new_empty(x.shape[0], w.shape[0])
+    def _gemv_fake(x, w, bias=None, act=-1):
+        return x.new_empty(x.shape[0], w.shape[0] // 2 if act >= 0 else w.shape[0])
+
+    @torch.library.register_fake("flashdecode::add_rms_norm_gemv")
+    def _add_rms_norm_gemv_fake(x, residual, norm_weight, eps, w, bias=None, act=-1):
+        return x.new_empty(x.shape[0], w.shape[0] // 2 if act >= 0 else w.shape[0]), x.new_empty(x.shape)
 
     @torch.library.register_fake("flashdecode::rope_write_kv")
     def _rope_write_kv_fake(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, num_q_heads, q_norm=None,

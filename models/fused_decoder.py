@@ -1,15 +1,17 @@
 """A decoder step with fused weights and kernels, for the Llama family and its relatives
-(Qwen2, Qwen3, Gemma 3): ten launches per layer for Llama.
+(Qwen2, Qwen3, Gemma 3): five launches per layer for Llama's decode step, besides attention's.
 
 transformers' layers launch about forty kernels per layer for one decode token (separate q, k, v
 and gate, up projections; RMSNorm and rotary embedding as chains of elementwise ops); inside a
 CUDA graph each launch still costs ~2 us, which at batch 1 is most of a step. This runs the same
-weights as: norm fused with the residual add, one QKV matmul (its bias in the same call), rotary
-embedding fused with the per-head q/k norms and the KV-cache write, attention over the paged cache
-(over the layer's sliding window where it has one), the output projection, norm, one gate/up
-matmul, the down projection applying the gated activation to its input (for a decode step's few
-rows the projections are our GEMV). Gemma's extra norms on the attention and MLP outputs add one
-launch each; its ``(1 + w)`` norm weights are folded once into float32 weights.
+weights as: the residual add and norm fused into one QKV matmul (its bias in the same call),
+rotary embedding fused with the per-head q/k norms and the KV-cache write, attention over the
+paged cache (over the layer's sliding window where it has one), the output projection, the
+residual add and norm fused into one gate/up matmul that ends in the gated activation, and the
+down projection. For a decode step's few rows the projections are our GEMV, which does the fusing;
+for more rows they are cuBLAS's, with the norm and activation kernels around them. Gemma's extra
+norms on the attention and MLP outputs add one launch each; its ``(1 + w)`` norm weights are
+folded once into float32 weights.
 
 The q/k/v and gate/up weights are concatenated once and the model's own modules are pointed at
 views of them, so the model keeps working and holds one copy.
@@ -201,10 +203,11 @@ class FusedDecoder:
             k_cache, v_cache = batch.kv_caches[i]
             k_scale, v_scale = batch.layer_scales(i)
             if residual is None:
-                residual, hidden = hidden, layer_ops.rms_norm(hidden, layer.norm_in, self.eps)
+                residual = hidden
+                qkv = layer_ops.linear(layer_ops.rms_norm(hidden, layer.norm_in, self.eps), layer.qkv, layer.qkv_bias)
             else:
-                layer_ops.add_rms_norm(hidden, residual, layer.norm_in, self.eps)
-            qkv = layer_ops.linear(hidden, layer.qkv, layer.qkv_bias)
+                qkv, residual = layer_ops.add_rms_norm_linear(hidden, residual, layer.norm_in, self.eps, layer.qkv,
+                                                              layer.qkv_bias)
             layer_ops.rope_write_kv(qkv, positions, layer.cos_sin, k_cache, v_cache, batch.slot_mapping, hq,
                                     q_norm=layer.q_norm, k_norm=layer.k_norm, eps=self.eps, k_scale=k_scale,
                                     v_scale=v_scale)
@@ -221,11 +224,12 @@ class FusedDecoder:
             hidden = layer_ops.linear(attn.reshape(tokens, hq * d), layer.o_proj)
             if layer.attn_out_norm is not None:
                 hidden = layer_ops.rms_norm(hidden, layer.attn_out_norm, self.eps)
-            layer_ops.add_rms_norm(hidden, residual, layer.norm_mlp, self.eps)
-            hidden = layer_ops.act_mul_linear(layer_ops.linear(hidden, layer.gate_up), layer.down, self.act)
+            gated, residual = layer_ops.add_rms_norm_linear(hidden, residual, layer.norm_mlp, self.eps,
+                                                            layer.gate_up, act=self.act)
+            hidden = layer_ops.linear(gated, layer.down)
             if layer.mlp_out_norm is not None:
                 hidden = layer_ops.rms_norm(hidden, layer.mlp_out_norm, self.eps)
-        layer_ops.add_rms_norm(hidden, residual, self.final_norm, self.eps)
+        hidden, _ = layer_ops.add_rms_norm(hidden, residual, self.final_norm, self.eps)
         if logits_rows is not None:
             hidden = hidden[logits_rows]
         logits = layer_ops.linear(hidden, self.lm_head)

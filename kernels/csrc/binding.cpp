@@ -1,5 +1,6 @@
 // torch.library registration of the flashdecode ops (CUDA): flash_decode and write_kv, and the
-// per-layer ops rms_norm, add_rms_norm, silu_and_mul (either gated activation), gemv and rope_write_kv.
+// per-layer ops rms_norm, add_rms_norm, silu_and_mul (either gated activation), gemv, add_rms_norm_gemv
+// and rope_write_kv.
 // kernels/ops.py validates inputs with readable errors and registers the fake (meta) kernels;
 // the checks here only guard the raw pointers for callers of torch.ops.flashdecode directly.
 
@@ -10,6 +11,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <tuple>
 
 #include "flash_decode.h"
 #include "layer_ops.h"
@@ -194,25 +196,36 @@ void check_rows(const at::Tensor& t, const char* name, int64_t width) {
               " must be [rows, ", width, "] with a contiguous last dim and 16-byte aligned rows");
 }
 
-void rms_norm_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
-                   double eps) {
+void check_norm_weight(const at::Tensor& weight, const at::Tensor& x) {
+  check_cuda(weight, "norm weight", x.device());
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) % 8 == 0 && aligned16(weight),
+              "norm weight must be contiguous [hidden], hidden a multiple of 8");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
+              "norm weight must be of x's dtype (", x.scalar_type(), ") or float32, got ", weight.scalar_type());
+}
+
+void check_residual(const at::Tensor& residual, const at::Tensor& x) {
+  check_cuda(residual, "residual", x.device());
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+              "residual must be contiguous and match x");
+}
+
+// residual_out: where residual + x goes (may be residual itself), with a residual.
+void rms_norm_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor* residual,
+                   const at::Tensor* residual_out, const at::Tensor& weight, double eps) {
+  check_norm_weight(weight, x);
   const int64_t hidden = weight.size(0);
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && hidden % 8 == 0 && aligned16(weight),
-              "weight must be contiguous [hidden], hidden a multiple of 8");
-  for (const at::Tensor* t : {&out, &weight}) check_cuda(*t, "rms_norm tensor", x.device());
+  check_cuda(out, "out", x.device());
   check_rows(x, "x", hidden);
   check_rows(out, "out", hidden);
-  TORCH_CHECK((weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat) &&
-                  out.scalar_type() == x.scalar_type(),
-              "x and out must share a dtype, and weight be of it or float32");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "x and out must share a dtype");
   RmsNormParams p{};
   p.out = out.data_ptr();
   p.x = x.data_ptr();
   if (residual != nullptr) {
-    check_cuda(*residual, "residual", x.device());
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && residual->scalar_type() == x.scalar_type(),
-                "residual must be contiguous and match x");
+    check_residual(*residual, x);
     p.residual = residual->data_ptr();
+    p.residual_out = residual_out->data_ptr();
   }
   p.weight = weight.data_ptr();
   p.weight_fp32 = weight.scalar_type() == at::kFloat;
@@ -229,12 +242,16 @@ void rms_norm_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor*
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor out = at::empty(x.sizes(), x.options());
-  rms_norm_into(out, x, nullptr, weight, eps);
+  rms_norm_into(out, x, nullptr, nullptr, weight, eps);
   return out;
 }
 
-void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  rms_norm_into(x, x, &residual, weight, eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor summed = at::empty(x.sizes(), x.options());
+  rms_norm_into(out, x, &residual, &summed, weight, eps);
+  return {out, summed};
 }
 
 GatedAct gated_act_of(int64_t act) {
@@ -242,39 +259,70 @@ GatedAct gated_act_of(int64_t act) {
   return static_cast<GatedAct>(act);
 }
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, bool gated, const std::optional<at::Tensor>& bias,
-                int64_t act) {
+// act -1: y = x W^T (+ bias); 0 or 1: w stacks the gate's rows on the up's, y = act(gate) * up.
+// With norm_weight the input rows are rms_norm(residual + x) (residual required), and the sum
+// comes back as the second tensor.
+std::tuple<at::Tensor, at::Tensor> gemv_into(const at::Tensor& x, const at::Tensor& w,
+                                             const std::optional<at::Tensor>& bias, int64_t act,
+                                             const at::Tensor* residual, const at::Tensor* norm_weight, double eps) {
   check_cuda(w, "w", x.device());
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) % 8 == 0 && aligned16(w) &&
                   w.scalar_type() == x.scalar_type(),
               "w must be contiguous [n, k] of x's dtype, k a multiple of 8");
   const int64_t n = w.size(0), k = w.size(1), rows = x.size(0);
-  check_rows(x, "x", gated ? 2 * k : k);
+  TORCH_CHECK(act >= -1, "act must be -1 (no gated epilogue), 0 (silu) or 1 (gelu_pytorch_tanh), got ", act);
+  const bool gated = act >= 0;
+  check_rows(x, "x", k);
   TORCH_CHECK(rows <= kGemvMaxRows, "gemv serves at most ", kGemvMaxRows, " rows, got ", rows);
-  TORCH_CHECK(rows * k * x.element_size() <= kGemvMaxSmemBytes, "gemv input rows (", rows, " x ", k,
+  TORCH_CHECK(rows * k * int64_t(sizeof(float)) <= kGemvMaxSmemBytes, "gemv input rows (", rows, " x ", k,
               ") exceed its shared memory");
+  TORCH_CHECK(!gated || n % 2 == 0, "a gated gemv's w stacks gate and up rows: n must be even, got ", n);
+  TORCH_CHECK(!(gated && bias.has_value()), "a gated gemv takes no bias");
   if (bias.has_value()) {
     check_cuda(*bias, "bias", x.device());
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() && bias->scalar_type() == x.scalar_type(),
                 "bias must be contiguous [n] of x's dtype");
   }
-  at::Tensor y = at::empty({rows, n}, x.options());
+  at::Tensor y = at::empty({rows, gated ? n / 2 : n}, x.options());
+  at::Tensor summed;
   GemvParams p{};
   p.y = y.data_ptr();
   p.x = x.data_ptr();
   p.x_stride = x.stride(0);
+  if (norm_weight != nullptr) {
+    check_norm_weight(*norm_weight, x);
+    TORCH_CHECK(norm_weight->size(0) == k, "norm weight has ", norm_weight->size(0), " elements, w's rows ", k);
+    check_residual(*residual, x);
+    summed = at::empty(x.sizes(), x.options());
+    p.norm_weight = norm_weight->data_ptr();
+    p.norm_fp32 = norm_weight->scalar_type() == at::kFloat;
+    p.eps = static_cast<float>(eps);
+    p.residual = residual->data_ptr();
+    p.residual_stride = residual->stride(0);
+    p.residual_out = summed.data_ptr();
+  }
   p.w = w.data_ptr();
   p.rows = static_cast<int>(rows);
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
   p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   p.gated = gated;
-  p.act = gated_act_of(act);
+  p.act = gated ? gated_act_of(act) : GatedAct::kSilu;
   p.dtype = dtype_of(x);
   c10::cuda::CUDAGuard guard(x.device());
   const cudaError_t err = launch_gemv(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "gemv launch failed: ", cudaGetErrorString(err));
-  return y;
+  return {y, summed};
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t act) {
+  return std::get<0>(gemv_into(x, w, bias, act, nullptr, nullptr, 0.0));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_gemv(const at::Tensor& x, const at::Tensor& residual,
+                                                     const at::Tensor& norm_weight, double eps, const at::Tensor& w,
+                                                     const std::optional<at::Tensor>& bias, int64_t act) {
+  return gemv_into(x, w, bias, act, &residual, &norm_weight, eps);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x, int64_t act) {
@@ -370,9 +418,12 @@ TORCH_LIBRARY(flashdecode, m) {
       "write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping, "
       "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x, int act=0) -> Tensor");
-  m.def("gemv(Tensor x, Tensor w, bool gated=False, Tensor? bias=None, int act=0) -> Tensor");
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias=None, int act=-1) -> Tensor");
+  m.def(
+      "add_rms_norm_gemv(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor w, Tensor? bias=None, "
+      "int act=-1) -> (Tensor, Tensor)");
   m.def(
       "rope_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos_sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
       "Tensor slot_mapping, int num_q_heads, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0, "
@@ -386,5 +437,6 @@ TORCH_LIBRARY_IMPL(flashdecode, CUDA, m) {
   m.impl("add_rms_norm", &flashdecode::add_rms_norm);
   m.impl("silu_and_mul", &flashdecode::silu_and_mul);
   m.impl("gemv", &flashdecode::gemv);
+  m.impl("add_rms_norm_gemv", &flashdecode::add_rms_norm_gemv);
   m.impl("rope_write_kv", &flashdecode::rope_write_kv);
 }

@@ -10,16 +10,6 @@
 namespace flashdecode {
 namespace {
 
-int sm_count() {
-  static int known[64];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return 0;
-  int n = __atomic_load_n(&known[device], __ATOMIC_ACQUIRE);
-  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess)
-    __atomic_store_n(&known[device], n, __ATOMIC_RELEASE);
-  return n;
-}
-
 // Whether a cluster of ``splits`` split blocks fits on this device (cached per device and size).
 template <typename T, int D, int W, typename KV>
 bool cluster_fits(int splits) {

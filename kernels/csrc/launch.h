@@ -33,6 +33,17 @@ cudaError_t launch_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaSt
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
+// The current device's SM count (cached per device); 0 if it cannot be read.
+inline int sm_count() {
+  static int known[64];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return 0;
+  int n = __atomic_load_n(&known[device], __ATOMIC_ACQUIRE);
+  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess)
+    __atomic_store_n(&known[device], n, __ATOMIC_RELEASE);
+  return n;
+}
+
 // Raises ``kernel``'s dynamic shared memory limit to ``bytes``, once per device; ``done`` is the
 // caller's per-kernel record (a bit per device).
 template <typename Kernel>

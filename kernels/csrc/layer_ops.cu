@@ -60,14 +60,15 @@ __device__ __forceinline__ T scaled_norm(float x, float inv_rms, const void* wei
   return from_float<T>(to_float(static_cast<const T*>(weight)[i]) * rounded<T>(x * inv_rms));
 }
 
-// One block per row. With a residual: residual = round(residual + x), out = norm(residual) * w.
+// One block per row. With a residual: residual_out = round(residual + x), out = norm(residual_out) * w.
 template <typename T, bool kResidual>
 __global__ void rms_norm_kernel(RmsNormParams p) {
   pdl_trigger_then_wait();
   const int64_t row = blockIdx.x;
   const int vecs = p.hidden / 8;
   const auto* x = reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.x) + row * p.x_stride);
-  auto* res = reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.residual) + row * p.hidden);
+  const auto* res = reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.residual) + row * p.hidden);
+  auto* res_out = reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.residual_out) + row * p.hidden);
   auto* out = reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.out) + row * p.out_stride);
 
   float squares = 0.f;
@@ -77,7 +78,7 @@ __global__ void rms_norm_kernel(RmsNormParams p) {
       const Vec8<T> r = res[i];
 #pragma unroll
       for (int j = 0; j < 8; ++j) a.v[j] = from_float<T>(to_float(a.v[j]) + to_float(r.v[j]));
-      res[i] = a;
+      res_out[i] = a;
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) squares += to_float(a.v[j]) * to_float(a.v[j]);
@@ -85,7 +86,7 @@ __global__ void rms_norm_kernel(RmsNormParams p) {
   const float inv_rms = rsqrtf(block_sum(squares) / p.hidden + p.eps);
   for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
     // Each thread rereads only what it wrote itself above, and x is not read after the barrier.
-    const Vec8<T> a = kResidual ? res[i] : x[i];
+    const Vec8<T> a = kResidual ? res_out[i] : x[i];
     Vec8<T> o;
     if (p.weight_fp32) {
 #pragma unroll
@@ -184,75 +185,220 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
     cache_row(v_cache, i / d)[i % d] = to_cache<T, KV>(value[i], p.v_scale, i / d);
 }
 
-// y = x W^T for a few rows (a decode step's batch): latency, not arithmetic, bounds these, and
-// cuBLAS's GEMM kernels spend ~4 us on a 1 MB weight. The block first stages its input rows in
-// shared memory (applying SiLU-and-multiply there, once per block, for the down projection);
-// then each warp streams one weight row with 16-byte loads and reduces it against every row.
-template <typename T, int kRows, bool kGated, GatedAct kAct>
-__global__ void gemv_kernel(GemvParams p) {
-  pdl_trigger_then_wait();
-  extern __shared__ __align__(16) uint8_t gemv_smem[];
-  T* xs = reinterpret_cast<T*>(gemv_smem);           // [kRows, k]
-  const int vecs = p.k / 8;
-  for (int i = threadIdx.x; i < kRows * vecs; i += blockDim.x) {
-    const int r = i / vecs, c = i % vecs;
-    const T* row = static_cast<const T*>(p.x) + r * p.x_stride;
-    Vec8<T> a = reinterpret_cast<const Vec8<T>*>(row)[c];
-    if constexpr (kGated) {
-      const Vec8<T> up = reinterpret_cast<const Vec8<T>*>(row + p.k)[c];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float g = to_float(a.v[j]);
-        a.v[j] = from_float<T>(rounded<T>(gated_act<kAct>(g)) * to_float(up.v[j]));
-      }
-    }
-    reinterpret_cast<Vec8<T>*>(xs + r * p.k)[c] = a;
-  }
-  __syncthreads();
+// A weight load: 16 bytes read once per step and never again before the next one (a decode
+// step's weights are far larger than L2), so it skips L1. Volatile so that the loads issued
+// ahead of griddepcontrol.wait stay ahead of it.
+template <typename T>
+__device__ __forceinline__ Vec8<T> load_weights(const Vec8<T>* src) {
+  Vec8<T> v;
+  uint4& u = *reinterpret_cast<uint4*>(&v);
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+               : "l"(src));
+  return v;
+}
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int col = blockIdx.x * (blockDim.x / 32) + warp;
-  if (col >= p.n) return;
-  const auto* w = reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.w) + int64_t(col) * p.k);
-  const float bias = p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[col]) : 0.f;
-  float acc[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
-  for (int i = lane; i < vecs; i += 32) {
-    const Vec8<T> wv = w[i];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const Vec8<T> a = reinterpret_cast<const Vec8<T>*>(xs + r * p.k)[i];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[r] = fmaf(to_float(a.v[j]), to_float(wv.v[j]), acc[r]);
-    }
-  }
+// The sum over the block of each of kRows values; every thread gets the same totals.
+template <int kRows>
+__device__ void block_sums(float (&v)[kRows]) {
+  __shared__ float warp_sums[kRows][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    float v = acc[r];
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    if (lane == 0) static_cast<T*>(p.y)[int64_t(r) * p.n + col] = from_float<T>(v + bias);
+    for (int offset = 16; offset > 0; offset >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], offset);
+    if (lane == 0) warp_sums[r][warp] = v[r];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    v[r] = 0.f;
+    for (int w = 0; w < warps; ++w) v[r] += warp_sums[r][w];
+  }
+}
+
+// The GEMV's input rows into shared memory as float32: x itself, or with kNorm
+// rms_norm(residual + x) (or rms_norm(x) without a residual), rounded to T as rms_norm_kernel
+// rounds; block 0 also stores the sum to residual_out.
+template <typename T, int kRows, bool kNorm>
+__device__ void stage_input(const GemvParams& p, float* xs) {
+  const int vecs = p.k / 8;
+  auto x_row = [&](int r) { return reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.x) + r * p.x_stride); };
+  auto store = [&](int r, int i, const Vec8<T>& a) {
+    auto* dst = reinterpret_cast<float4*>(xs + r * p.k + i * 8);
+    dst[0] = make_float4(to_float(a.v[0]), to_float(a.v[1]), to_float(a.v[2]), to_float(a.v[3]));
+    dst[1] = make_float4(to_float(a.v[4]), to_float(a.v[5]), to_float(a.v[6]), to_float(a.v[7]));
+  };
+  if constexpr (!kNorm) {
+    for (int i = threadIdx.x; i < kRows * vecs; i += blockDim.x) store(i / vecs, i % vecs, x_row(i / vecs)[i % vecs]);
+  } else {
+    float squares[kRows] = {};
+    for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        Vec8<T> a = x_row(r)[i];
+        if (p.residual != nullptr) {
+          const Vec8<T> res =
+              reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.residual) + r * p.residual_stride)[i];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) a.v[j] = from_float<T>(to_float(a.v[j]) + to_float(res.v[j]));
+          if (blockIdx.x == 0) reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.residual_out) + r * p.k)[i] = a;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) squares[r] += to_float(a.v[j]) * to_float(a.v[j]);
+        store(r, i, a);
+      }
+    }
+    block_sums<kRows>(squares);
+    for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
+      // Each thread rescales only what it staged itself above.
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float inv_rms = rsqrtf(squares[r] / p.k + p.eps);
+        float* row = xs + r * p.k + i * 8;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) row[j] = to_float(scaled_norm<T>(row[j], inv_rms, p.norm_weight, p.norm_fp32, i * 8 + j));
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// y = x W^T for a few rows (a decode step's batch): bandwidth and latency, not arithmetic, bound
+// these. Each warp streams weight rows (with a gated epilogue, pairs of rows: the gate's and the
+// up's) in chunks of 16-byte loads, kBatch per lane, and reduces them against every input row held
+// in shared memory; the grid is at most what fits on the GPU at once, each warp striding over
+// rows, and the next chunk's loads are in flight while the current one is reduced. The weights
+// do not depend on the previous kernel, so the first chunk is loaded before griddepcontrol.wait,
+// while that kernel still runs; only the input waits. With kNorm the input is normalised here
+// (the residual add and RMSNorm in front of the q/k/v and gate/up projections); with kGated the
+// epilogue is the MLP's act(gate) * up.
+template <typename T, int kRows, bool kGated>
+struct GemvChunk {
+  // as many loads as fit in 128 registers with the next chunk's in flight too
+  static constexpr int kBatch = kGated ? (kRows > 1 ? 2 : 3) : (kRows > 2 ? 4 : 8);
+  Vec8<T> w[kBatch], up[kBatch];
+
+  __device__ __forceinline__ void load(const Vec8<T>* w_row, const Vec8<T>* up_row, int first, int vecs) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = first + u * 32;
+      if (i < vecs) {
+        w[u] = load_weights(w_row + i);
+        if constexpr (kGated) up[u] = load_weights(up_row + i);
+      }
+    }
+  }
+};
+
+template <typename T, int kRows, bool kNorm, bool kGated, GatedAct kAct>
+__global__ void __launch_bounds__(256, 2) gemv_kernel(GemvParams p) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  using Chunk = GemvChunk<T, kRows, kGated>;
+  constexpr int kBatch = Chunk::kBatch;
+  extern __shared__ __align__(16) uint8_t gemv_smem[];
+  float* xs = reinterpret_cast<float*>(gemv_smem);   // [kRows, k]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n_out = kGated ? p.n / 2 : p.n;
+  const int stride = gridDim.x * (blockDim.x / 32);
+  const int vecs = p.k / 8;
+  const int chunks = (vecs + 32 * kBatch - 1) / (32 * kBatch);     // per weight row
+  const auto* w = reinterpret_cast<const Vec8<T>*>(p.w);
+  auto w_row = [&](int col) { return w + int64_t(col) * vecs; };
+  auto up_row = [&](int col) { return w + int64_t(col + n_out) * vecs; };
+
+  int col = blockIdx.x * (blockDim.x / 32) + warp, chunk = 0;
+  Chunk cur, next;
+  if (col < n_out) cur.load(w_row(col), up_row(col), lane, vecs);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  stage_input<T, kRows, kNorm>(p, xs);
+
+  float acc[kRows], acc_up[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = acc_up[r] = 0.f;
+  while (col < n_out) {
+    const bool row_done = chunk + 1 == chunks;
+    const int next_col = row_done ? col + stride : col, next_chunk = row_done ? 0 : chunk + 1;
+    if (next_col < n_out) next.load(w_row(next_col), up_row(next_col), next_chunk * 32 * kBatch + lane, vecs);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = chunk * 32 * kBatch + u * 32 + lane;
+      if (i >= vecs) continue;
+      float wf[8], uf[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        wf[j] = to_float(cur.w[u].v[j]);
+        if constexpr (kGated) uf[j] = to_float(cur.up[u].v[j]);
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float4* a = reinterpret_cast<const float4*>(xs + r * p.k + i * 8);
+        const float4 lo = a[0], hi = a[1];
+        const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          acc[r] = fmaf(x[j], wf[j], acc[r]);
+          if constexpr (kGated) acc_up[r] = fmaf(x[j], uf[j], acc_up[r]);
+        }
+      }
+    }
+    if (row_done) {
+      const float bias = !kGated && p.bias != nullptr ? to_float(static_cast<const T*>(p.bias)[col]) : 0.f;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        float v = acc[r], up = acc_up[r];
+        acc[r] = acc_up[r] = 0.f;
+        for (int offset = 16; offset > 0; offset >>= 1) {
+          v += __shfl_xor_sync(0xffffffffu, v, offset);
+          if constexpr (kGated) up += __shfl_xor_sync(0xffffffffu, up, offset);
+        }
+        if (lane != 0) continue;
+        T* out = static_cast<T*>(p.y) + int64_t(r) * n_out + col;
+        if constexpr (kGated) {
+          // transformers' rounding: gate and up projections, the activation, then the product
+          *out = from_float<T>(rounded<T>(gated_act<kAct>(rounded<T>(v))) * rounded<T>(up));
+        } else {
+          *out = from_float<T>(v + bias);
+        }
+      }
+    }
+    col = next_col;
+    chunk = next_chunk;
+    cur = next;
   }
 }
 
 constexpr int kThreads = 128;
-constexpr int kGemvWarps = 4;
 
-template <typename T, int kRows, bool kGated, GatedAct kAct>
+template <typename T, int kRows, bool kNorm, bool kGated, GatedAct kAct>
 cudaError_t gemv_launch(const GemvParams& p, cudaStream_t stream) {
+  auto* kernel = gemv_kernel<T, kRows, kNorm, kGated, kAct>;
   static uint64_t smem_raised = 0;
-  const cudaError_t err = allow_dynamic_smem(gemv_kernel<T, kRows, kGated, kAct>, kGemvMaxSmemBytes, smem_raised);
+  const cudaError_t err = allow_dynamic_smem(kernel, kGemvMaxSmemBytes, smem_raised);
   if (err != cudaSuccess) return err;
-  const unsigned blocks = static_cast<unsigned>((p.n + kGemvWarps - 1) / kGemvWarps);
-  const size_t smem = size_t(kRows) * p.k * sizeof(T);
-  return launch_pdl(gemv_kernel<T, kRows, kGated, kAct>, dim3(blocks), dim3(kGemvWarps * 32), smem, stream, p);
+  // Eight warps a block where that still gives every SM a block or two (fewer blocks stage the
+  // input fewer times), four below; no more blocks than are resident at once.
+  const int n_out = kGated ? p.n / 2 : p.n;
+  const int warps = n_out >= 2048 ? 8 : 4;
+  const size_t smem = size_t(kRows) * p.k * sizeof(float);
+  int per_sm = 0;
+  const cudaError_t occ = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem);
+  if (occ != cudaSuccess) return occ;
+  const int64_t wanted = (n_out + warps - 1) / warps;
+  const int64_t resident = int64_t(std::max(per_sm, 1)) * std::max(sm_count(), 1);
+  const unsigned blocks = static_cast<unsigned>(std::min(wanted, resident));
+  return launch_pdl(kernel, dim3(blocks), dim3(warps * 32), smem, stream, p);
+}
+
+template <typename T, int kRows, bool kNorm>
+cudaError_t gemv_epilogue(const GemvParams& p, cudaStream_t stream) {
+  if (!p.gated) return gemv_launch<T, kRows, kNorm, false, GatedAct::kSilu>(p, stream);
+  return p.act == GatedAct::kSilu ? gemv_launch<T, kRows, kNorm, true, GatedAct::kSilu>(p, stream)
+                                  : gemv_launch<T, kRows, kNorm, true, GatedAct::kGeluTanh>(p, stream);
 }
 
 template <typename T, int kRows>
 cudaError_t gemv_rows(const GemvParams& p, cudaStream_t stream) {
-  if (!p.gated) return gemv_launch<T, kRows, false, GatedAct::kSilu>(p, stream);
-  return p.act == GatedAct::kSilu ? gemv_launch<T, kRows, true, GatedAct::kSilu>(p, stream)
-                                  : gemv_launch<T, kRows, true, GatedAct::kGeluTanh>(p, stream);
+  return p.norm_weight != nullptr ? gemv_epilogue<T, kRows, true>(p, stream) : gemv_epilogue<T, kRows, false>(p, stream);
 }
 
 template <typename T>

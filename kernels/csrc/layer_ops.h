@@ -1,7 +1,8 @@
 // Plain-C++ interface of the small per-layer kernels (layer_ops.cu) that, with the attention
-// kernels, make a decoder layer's decode step ten launches: RMSNorm (optionally fused with the
-// residual add), rotary embedding fused with the per-head q/k norms and the KV-cache write, the
-// gated activations, and the GEMV of a decode step's few rows.
+// kernels, make a decoder layer's decode step: RMSNorm (optionally fused with the residual add),
+// rotary embedding fused with the per-head q/k norms and the KV-cache write, the gated
+// activations, and the GEMV of a decode step's few rows (which can take the residual add and
+// RMSNorm in front of it and the gated activation behind it).
 #pragma once
 
 #include <cstdint>
@@ -14,7 +15,8 @@ namespace flashdecode {
 struct RmsNormParams {
   void* out;                 // [rows, hidden], row stride out_stride (elements); may alias x
   const void* x;             // [rows, hidden], row stride x_stride
-  void* residual;            // [rows, hidden] contiguous, or null: with it, residual += x, then out = norm(residual)
+  const void* residual;      // [rows, hidden] contiguous, or null: with it, residual_out = residual + x,
+  void* residual_out;        //   then out = norm(residual_out); residual_out may be residual itself
   const void* weight;        // [hidden], of x's dtype, or float32 (Gemma's rounding: scaled in float32, rounded once)
   bool weight_fp32;
   int64_t rows, x_stride, out_stride;
@@ -57,20 +59,26 @@ struct RopeKvParams {
 };
 
 struct GemvParams {
-  void* y;                   // [rows, n] contiguous
-  const void* x;             // [rows, k] (or [rows, 2 k]: gate then up, when gated), row stride x_stride
+  void* y;                   // [rows, n] contiguous, or [rows, n / 2] when gated
+  const void* x;             // [rows, k], row stride x_stride
   int64_t x_stride;
+  const void* norm_weight;   // [k] (x's dtype or float32, as RmsNormParams), or null: the input rows are
+  bool norm_fp32;            //   then rms_norm(x), or rms_norm(residual + x) with a residual
+  float eps;
+  const void* residual;      // [rows, k], row stride residual_stride, or null (only with norm_weight)
+  int64_t residual_stride;
+  void* residual_out;        // [rows, k] contiguous: residual + x, with a residual
   const void* w;             // [n, k] contiguous (an nn.Linear weight)
-  const void* bias;          // [n] or null
-  int rows, n, k;            // rows <= kGemvMaxRows, k a multiple of 8, rows * k * 2 <= kGemvMaxSmemBytes
-  bool gated;                // x holds [gate | up]: the input row is act(gate) * up, rounded as silu_and_mul
-  GatedAct act;
+  const void* bias;          // [n] or null; never with gated
+  int rows, n, k;            // rows <= kGemvMaxRows, k a multiple of 8, rows * k * 4 <= kGemvMaxSmemBytes
+  bool gated;                // w stacks the gate's n / 2 rows on the up's: y = act(x Wg^T) * (x Wu^T),
+  GatedAct act;              //   each rounded as transformers' MLP rounds
   DType dtype;
 };
 
 // Most rows a GEMV launch serves (each weight row is read once and used for every input row;
 // past 4 rows cuBLAS was faster on every projection measured), and the shared memory that
-// holds its input rows.
+// holds its input rows (as float32).
 constexpr int kGemvMaxRows = 4;
 constexpr int kGemvMaxSmemBytes = 200 * 1024;
 

@@ -244,8 +244,9 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, seqs, sources=None) -> torch.Tensor:
         """Logits [len(seqs), vocab] for the next token of each sequence, float32 with NaN read as
-        -inf (see ``StepPipeline.load`` for ``sources``)."""
-        return self._decode(seqs, sources)[0]
+        -inf (see ``StepPipeline.load`` for ``sources``); a copy, since a graph's next replay
+        overwrites its own."""
+        return self._decode(seqs, sources)[0].clone()
 
     def _decode(self, seqs, sources=None) -> tuple[torch.Tensor, torch.Tensor]:
         batch = len(seqs)

@@ -1,6 +1,6 @@
 """The per-layer CUDA ops (RMSNorm with Llama's and Gemma's rounding, add + RMSNorm, the gated
 activations, rotary embedding with the per-head q/k norms and the KV-cache write, the GEMV with
-its bias and gated input) against float64 (GPU only).
+its bias, its residual add and RMSNorm in front and its gated epilogue) against float64 (GPU only).
 
 Criterion as for attention: the kernel's max error against float64 is at most twice that of the
 same computation done by PyTorch in the low precision (plus one ulp of slack for the final
@@ -57,20 +57,28 @@ def test_rms_norm(rows, hidden, dtype):
     check(ours, theirs, rms_norm64(x, weight, 1e-5), dtype)
 
 
+def poison_allocations(*shapes, dtype):
+    """Leaves NaN in the caching allocator's free blocks of these shapes, so that an op's freshly
+    allocated output that a kernel fails to fill shows NaN."""
+    for shape in shapes:
+        torch.full(shape, float("nan"), device=DEVICE, dtype=dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (64, 576), (5, 4096)])
-def test_add_rms_norm_updates_both_in_place(rows, hidden, dtype):
+def test_add_rms_norm_returns_the_norm_and_the_sum(rows, hidden, dtype):
     x = torch.randn(rows, hidden, device=DEVICE, dtype=dtype)
     residual = torch.randn(rows, hidden, device=DEVICE, dtype=dtype)
     weight = torch.randn(hidden, device=DEVICE, dtype=dtype)
-    exact_residual = residual.double() + x.double()
-    exact = rms_norm64(exact_residual, weight, 1e-6)
+    x_before, residual_before = x.clone(), residual.clone()
+    exact = rms_norm64(residual.double() + x.double(), weight, 1e-6)
     their_residual = residual + x
     theirs = layer_ops._rms_norm_torch(their_residual, weight, 1e-6)
-    x_ours, res_ours = x.clone(), residual.clone()
-    layer_ops.add_rms_norm(x_ours, res_ours, weight, 1e-6)
-    assert torch.equal(res_ours, their_residual)          # one rounding of the sum, as PyTorch's
-    check(x_ours, theirs, exact, dtype)
+    poison_allocations((rows, hidden), (rows, hidden), dtype=dtype)
+    ours, summed = layer_ops.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, their_residual)            # one rounding of the sum, as PyTorch's
+    check(ours, theirs, exact, dtype)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -132,28 +140,16 @@ def test_rope_write_kv(hq, hkv, d, dtype, slot_dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (6144, 4096), (100, 40)])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (6144, 4096), (2048, 8192), (100, 40)])
 def test_gemv(rows, n, k, dtype):
     x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
     w = torch.randn(n, k, device=DEVICE, dtype=dtype) / k ** 0.5
     exact = x.double() @ w.double().T
-    ours = torch.ops.flashdecode.gemv(x, w, False)
+    poison_allocations((rows, n), dtype=dtype)
+    ours = torch.ops.flashdecode.gemv(x, w)
     check(ours, torch.nn.functional.linear(x, w), exact, dtype)
-    if w.numel() <= layer_ops.GEMV_MAX_WEIGHT:
+    if layer_ops.gemv_serves(x, w):
         assert torch.equal(layer_ops.linear(x, w), ours)    # the entry point takes the GEMV here
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("n,k", [(576, 1536), (4096, 14336)])
-def test_gemv_with_silu_and_mul_input(rows, n, k, dtype):
-    gate_up = torch.randn(rows, 2 * k, device=DEVICE, dtype=dtype) * 2
-    w = torch.randn(n, k, device=DEVICE, dtype=dtype) / k ** 0.5
-    gate, up = gate_up.double().chunk(2, dim=-1)
-    exact = (gate * torch.sigmoid(gate) * up) @ w.double().T
-    theirs = torch.nn.functional.linear(layer_ops.silu_and_mul(gate_up), w)
-    check(torch.ops.flashdecode.gemv(gate_up, w, True), theirs, exact, dtype)
-
 
 
 def gelu_tanh64(x):
@@ -170,23 +166,75 @@ def test_gelu_tanh_and_mul(rows, inter, dtype):
     check(ours, theirs, gelu_tanh64(gate) * up, dtype)
 
 
+ACTS64 = {"silu": lambda g: g * torch.sigmoid(g), "gelu_pytorch_tanh": gelu_tanh64}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("n,k", [(640, 2048), (896, 4864)])
-def test_gemv_with_gelu_tanh_and_mul_input(rows, n, k, dtype):
-    gate_up = torch.randn(rows, 2 * k, device=DEVICE, dtype=dtype) * 2
-    w = torch.randn(n, k, device=DEVICE, dtype=dtype) / k ** 0.5
-    gate, up = gate_up.double().chunk(2, dim=-1)
-    exact = (gelu_tanh64(gate) * up) @ w.double().T
-    theirs = torch.nn.functional.linear(layer_ops.act_and_mul(gate_up, "gelu_pytorch_tanh"), w)
-    ours = torch.ops.flashdecode.gemv(gate_up, w, True, None, 1)
+@pytest.mark.parametrize("act", sorted(ACTS64))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("inter,k", [(1536, 576), (8192, 2048), (2048, 640), (24, 40)])
+def test_gemv_with_gated_epilogue(rows, inter, k, act, dtype):
+    """gate_up's projection ending in the MLP's activation: act(x Wg^T) * (x Wu^T)."""
+    x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
+    w = torch.randn(2 * inter, k, device=DEVICE, dtype=dtype) * (2 / k ** 0.5)
+    gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+    exact = ACTS64[act](gate) * up
+    theirs = layer_ops.act_and_mul(torch.nn.functional.linear(x, w), act)
+    poison_allocations((rows, inter), dtype=dtype)
+    ours = torch.ops.flashdecode.gemv(x, w, None, layer_ops.GATED_ACTIVATIONS[act])
     check(ours, theirs, exact, dtype)
-    # the entry point takes our GEMV only for weights it serves (4864 x 896 is past GEMV_MAX_WEIGHT)
-    served = layer_ops.act_mul_linear(gate_up, w, "gelu_pytorch_tanh")
-    if layer_ops._gemv_serves(gate_up, w):
+    served = layer_ops.gated_linear(x, w, act)
+    if layer_ops.gemv_serves(x, w):
         assert torch.equal(served, ours)
     else:
         check(served, theirs, exact, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
+@pytest.mark.parametrize("norm_dtype", ["model", "float32"], ids=["llama-norm", "gemma3-norm"])
+@pytest.mark.parametrize("epilogue", ["plain", "bias", "silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("n,k", [(960, 576), (3072, 2048), (96, 40)])
+def test_add_rms_norm_linear(rows, n, k, epilogue, norm_dtype, dtype):
+    """The residual add and RMSNorm in front of a projection, in the GEMV for a few rows (one
+    launch) and as the norm kernel then cuBLAS for more: against float64 and against the norm
+    kernel then F.linear; the sum comes back exactly, the inputs are left as they were."""
+    x = torch.randn(rows, k, device=DEVICE, dtype=dtype) * 2
+    residual = torch.randn(rows, k, device=DEVICE, dtype=dtype) * 2
+    norm_weight = (1 + 0.3 * torch.randn(k, device=DEVICE)).to(dtype if norm_dtype == "model" else torch.float32)
+    w = torch.randn(n, k, device=DEVICE, dtype=dtype) * (2 / k ** 0.5)
+    bias = torch.randn(n, device=DEVICE, dtype=dtype) if epilogue == "bias" else None
+    act = epilogue if epilogue in ACTS64 else None
+    x_before, residual_before = x.clone(), residual.clone()
+
+    summed64 = residual.double() + x.double()
+    y64 = rms_norm64(summed64, norm_weight, 1e-6) @ w.double().T
+    if bias is not None:
+        y64 = y64 + bias.double()
+    h, their_sum = layer_ops._rms_norm_torch(residual + x, norm_weight, 1e-6), residual + x
+    theirs = torch.nn.functional.linear(h, w, bias)
+    if act is not None:
+        gate, up = y64.chunk(2, dim=-1)
+        y64 = ACTS64[act](gate) * up
+        theirs = layer_ops.act_and_mul(theirs, act)
+
+    poison_allocations((rows, n // 2 if act else n), (rows, k), dtype=dtype)
+    ours, summed = layer_ops.add_rms_norm_linear(x, residual, norm_weight, 1e-6, w, bias, act=act)
+    assert torch.equal(summed, their_sum)
+    check(ours, theirs, y64, dtype)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+    if layer_ops.gemv_serves(x, w):       # the entry point took the fused GEMV: the op itself gives the same
+        op, op_sum = torch.ops.flashdecode.add_rms_norm_gemv(x, residual, norm_weight, 1e-6, w, bias,
+                                                             -1 if act is None else layer_ops.GATED_ACTIVATIONS[act])
+        assert torch.equal(op, ours) and torch.equal(op_sum, summed)
+
+
+def test_add_rms_norm_linear_refuses_a_bias_with_a_gated_epilogue():
+    x = torch.randn(1, 64, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="takes no bias"):
+        layer_ops.add_rms_norm_linear(x, x, torch.ones(64, device=DEVICE), 1e-6, w, torch.zeros(32, device=DEVICE),
+                                      act="silu")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -215,8 +263,7 @@ def test_rms_norm_with_float32_weight_rounds_once(rows, hidden, residual, dtype)
     h = summed.float()
     theirs = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight).to(dtype)
     if residual:
-        ours, res_ours = x.clone(), res.clone()
-        layer_ops.add_rms_norm(ours, res_ours, weight, 1e-6)
+        ours, res_ours = layer_ops.add_rms_norm(x, res, weight, 1e-6)
         assert torch.equal(res_ours, summed)
     else:
         ours = layer_ops.rms_norm(x, weight, 1e-6)
@@ -288,9 +335,13 @@ RAW_OP_ERRORS = {
         "call = lambda: torch.ops.flashdecode.flash_decode(q, kc, kc, torch.tensor([[0, 1]], **i32), "
         "torch.tensor([20], **i32), 0.1, 2, True, po, pl)\n",
         "the three-per-SM plan is two splits at head_dim 64 with at most 8"),
+    "gemv-gated-with-bias": ("x = torch.randn(1, 64, device='cuda', dtype=torch.bfloat16)\n"
+                             "w = torch.randn(32, 64, device='cuda', dtype=torch.bfloat16)\n"
+                             "call = lambda: torch.ops.flashdecode.gemv(x, w, torch.zeros(32, device='cuda', "
+                             "dtype=torch.bfloat16), 0)\n", "takes no bias"),
     "gemv-too-many-rows": ("x = torch.randn(5, 64, device='cuda', dtype=torch.bfloat16)\n"
                            "w = torch.randn(32, 64, device='cuda', dtype=torch.bfloat16)\n"
-                           "call = lambda: torch.ops.flashdecode.gemv(x, w, False)\n", "at most"),
+                           "call = lambda: torch.ops.flashdecode.gemv(x, w)\n", "at most"),
     "rms-norm-bad-width": ("x = torch.randn(3, 64, device='cuda', dtype=torch.bfloat16)\n"
                            "w = torch.randn(32, device='cuda', dtype=torch.bfloat16)\n"
                            "call = lambda: torch.ops.flashdecode.rms_norm(x, w, 1e-6)\n", "must be [rows"),
@@ -310,6 +361,7 @@ def test_raw_op_refuses_bad_input_with_an_error(case):
 
 
 def test_gemv_entry_point_falls_back_to_cublas_past_its_rows():
-    x = torch.randn(layer_ops.GEMV_MAX_ROWS + 1, 64, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(3, 64, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(32, 64, device=DEVICE, dtype=torch.bfloat16)
+    assert not layer_ops.gemv_serves(x, w)
     assert torch.equal(layer_ops.linear(x, w), torch.nn.functional.linear(x, w))
