@@ -210,7 +210,7 @@ void check_residual(const at::Tensor& residual, const at::Tensor& x) {
               "residual must be contiguous and match x");
 }
 
-// residual_out: where residual + x goes (may be residual itself), with a residual.
+// residual_out: where residual + x goes, with a residual.
 void rms_norm_into(const at::Tensor& out, const at::Tensor& x, const at::Tensor* residual,
                    const at::Tensor* residual_out, const at::Tensor& weight, double eps) {
   check_norm_weight(weight, x);

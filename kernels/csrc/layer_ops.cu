@@ -31,15 +31,22 @@ struct alignas(16) Vec8 {
   T v[8];
 };
 
-__device__ float block_sum(float v) {
-  __shared__ float warp_sums[32];
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+// The sum over the block of each of kRows values; every thread gets the same totals.
+template <int kRows>
+__device__ void block_sums(float (&v)[kRows]) {
+  __shared__ float warp_sums[kRows][32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_sums[warp] = v;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    for (int offset = 16; offset > 0; offset >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], offset);
+    if (lane == 0) warp_sums[r][warp] = v[r];
+  }
   __syncthreads();
-  v = lane < blockDim.x / 32 ? warp_sums[lane] : 0.f;
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    v[r] = lane < blockDim.x / 32 ? warp_sums[r][lane] : 0.f;
+    for (int offset = 16; offset > 0; offset >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], offset);
+  }
 }
 
 template <GatedAct kAct>
@@ -83,7 +90,9 @@ __global__ void rms_norm_kernel(RmsNormParams p) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) squares += to_float(a.v[j]) * to_float(a.v[j]);
   }
-  const float inv_rms = rsqrtf(block_sum(squares) / p.hidden + p.eps);
+  float total[1] = {squares};
+  block_sums<1>(total);
+  const float inv_rms = rsqrtf(total[0] / p.hidden + p.eps);
   for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
     // Each thread rereads only what it wrote itself above, and x is not read after the barrier.
     const Vec8<T> a = kResidual ? res_out[i] : x[i];
@@ -198,27 +207,9 @@ __device__ __forceinline__ Vec8<T> load_weights(const Vec8<T>* src) {
   return v;
 }
 
-// The sum over the block of each of kRows values; every thread gets the same totals.
-template <int kRows>
-__device__ void block_sums(float (&v)[kRows]) {
-  __shared__ float warp_sums[kRows][32];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    for (int offset = 16; offset > 0; offset >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], offset);
-    if (lane == 0) warp_sums[r][warp] = v[r];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    v[r] = 0.f;
-    for (int w = 0; w < warps; ++w) v[r] += warp_sums[r][w];
-  }
-}
-
 // The GEMV's input rows into shared memory as float32: x itself, or with kNorm
-// rms_norm(residual + x) (or rms_norm(x) without a residual), rounded to T as rms_norm_kernel
-// rounds; block 0 also stores the sum to residual_out.
+// rms_norm(residual + x), rounded to T as rms_norm_kernel rounds; block 0 also stores the sum
+// to residual_out.
 template <typename T, int kRows, bool kNorm>
 __device__ void stage_input(const GemvParams& p, float* xs) {
   const int vecs = p.k / 8;
@@ -236,13 +227,11 @@ __device__ void stage_input(const GemvParams& p, float* xs) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         Vec8<T> a = x_row(r)[i];
-        if (p.residual != nullptr) {
-          const Vec8<T> res =
-              reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.residual) + r * p.residual_stride)[i];
+        const Vec8<T> res =
+            reinterpret_cast<const Vec8<T>*>(static_cast<const T*>(p.residual) + r * p.residual_stride)[i];
 #pragma unroll
-          for (int j = 0; j < 8; ++j) a.v[j] = from_float<T>(to_float(a.v[j]) + to_float(res.v[j]));
-          if (blockIdx.x == 0) reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.residual_out) + r * p.k)[i] = a;
-        }
+        for (int j = 0; j < 8; ++j) a.v[j] = from_float<T>(to_float(a.v[j]) + to_float(res.v[j]));
+        if (blockIdx.x == 0) reinterpret_cast<Vec8<T>*>(static_cast<T*>(p.residual_out) + r * p.k)[i] = a;
 #pragma unroll
         for (int j = 0; j < 8; ++j) squares[r] += to_float(a.v[j]) * to_float(a.v[j]);
         store(r, i, a);

@@ -62,12 +62,12 @@ struct GemvParams {
   void* y;                   // [rows, n] contiguous, or [rows, n / 2] when gated
   const void* x;             // [rows, k], row stride x_stride
   int64_t x_stride;
-  const void* norm_weight;   // [k] (x's dtype or float32, as RmsNormParams), or null: the input rows are
-  bool norm_fp32;            //   then rms_norm(x), or rms_norm(residual + x) with a residual
+  const void* norm_weight;   // [k] (x's dtype or float32, as RmsNormParams), or null: with it the input
+  bool norm_fp32;            //   rows are rms_norm(residual + x)
   float eps;
-  const void* residual;      // [rows, k], row stride residual_stride, or null (only with norm_weight)
+  const void* residual;      // [rows, k], row stride residual_stride (with norm_weight)
   int64_t residual_stride;
-  void* residual_out;        // [rows, k] contiguous: residual + x, with a residual
+  void* residual_out;        // [rows, k] contiguous: residual + x (with norm_weight)
   const void* w;             // [n, k] contiguous (an nn.Linear weight)
   const void* bias;          // [n] or null; never with gated
   int rows, n, k;            // rows <= kGemvMaxRows, k a multiple of 8, rows * k * 4 <= kGemvMaxSmemBytes
@@ -76,9 +76,9 @@ struct GemvParams {
   DType dtype;
 };
 
-// Most rows a GEMV launch serves (each weight row is read once and used for every input row;
-// past 4 rows cuBLAS was faster on every projection measured), and the shared memory that
-// holds its input rows (as float32).
+// Most rows a GEMV launch serves (each weight row is read once and used for every input row; the
+// product routes only one or two rows here, kernels/layer_ops.py's gemv_serves), and the shared
+// memory that holds its input rows (as float32).
 constexpr int kGemvMaxRows = 4;
 constexpr int kGemvMaxSmemBytes = 200 * 1024;
 
