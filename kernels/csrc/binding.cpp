@@ -359,7 +359,8 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   const int64_t hkv = k_cache.size(1), bs = k_cache.size(2), d = k_cache.size(3), tokens = qkv.size(0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_q_heads + 2 * hkv) * d && qkv.stride(1) == 1,
               "qkv must be [T, (Hq + 2 Hkv) * D] with a contiguous last dim");
-  TORCH_CHECK(d % 2 == 0 && cos_sin.dim() == 2 && cos_sin.size(1) == d && cos_sin.is_contiguous() &&
+  TORCH_CHECK(d % 2 == 0 && d <= kMaxRopeHeadDim, "head_dim must be even and at most ", kMaxRopeHeadDim, ", got ", d);
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) == d && cos_sin.is_contiguous() &&
                   cos_sin.scalar_type() == at::kFloat,
               "cos_sin must be contiguous float32 [max_positions, D]");
   TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 1 && positions.size(0) == tokens &&

@@ -37,6 +37,9 @@ struct SiluMulParams {
   DType dtype;
 };
 
+// The largest head_dim rope_write_kv takes: the attention kernel's largest.
+constexpr int kMaxRopeHeadDim = kHeadDims[2];
+
 struct RopeKvParams {
   void* qkv;                 // [T, (Hq + 2 Hkv) * D], row stride qkv_stride: q and k rotated in place
   int64_t qkv_stride;
