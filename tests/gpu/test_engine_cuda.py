@@ -9,6 +9,7 @@ import torch
 from models import FusedDecoder, load_model
 from models.presets import ARCHITECTURES
 from server.engine import Engine, EngineConfig, SamplingParams
+from server.engine.config import DEFAULT_PREFILL_BUCKETS
 from server.engine.block_manager import BlockManager
 from server.engine.model_runner import ModelRunner
 from server.engine.sequence import Sequence
@@ -165,9 +166,11 @@ def test_prefill_graphs_after_cached_prefixes_match_whole_prompts(together):
 def test_graph_replay_gives_the_eager_tokens(sampled):
     """Greedy steps take the ids the graph computed; with seeded sampled requests (and
     log-probabilities) in the batch, the step samples after the replay: the same tokens either way.
-    A graph for every batch size, so that no step is padded: the padding rows do not change the
-    real rows' logits, but cuBLAS may round a 3-row projection differently from a 4-row one (it
-    picks its kernel by the row count), and a seeded draw can follow that last bit."""
+    A graph for every batch size, so that no decode step is padded, and both runs prefill through
+    the same padded buckets (eagerly without graphs): padding rows do not change the real rows'
+    logits, but cuBLAS may round a 3-row projection differently from a 4-row one, or a prefill of
+    the prompts' exact token count differently from one padded to its bucket (it picks its kernel
+    by the row count), and a near tie in the cached keys' last bit moved a greedy row's tokens."""
     loaded = load_model("random:smollm2-135m", dtype="bfloat16", device="cuda")
     rng = random.Random()
     prompts = [[rng.randrange(10, 40000) for _ in range(rng.randint(5, 200))] for _ in range(4)]
@@ -176,7 +179,8 @@ def test_graph_replay_gives_the_eager_tokens(sampled):
     if sampled:
         requests[1:3] = [(p, SamplingParams(max_new_tokens=48, ignore_eos=True, temperature=0.9, top_p=0.95,
                                             seed=3 + i, logprobs=i == 0)) for i, p in enumerate(prompts[1:3])]
-    configs = [EngineConfig(max_batch=4, num_blocks=512, cuda_graphs=graphs, graph_buckets=(1, 2, 3, 4))
+    configs = [EngineConfig(max_batch=4, num_blocks=512, cuda_graphs=graphs, graph_buckets=(1, 2, 3, 4),
+                            prefill_graph_buckets=DEFAULT_PREFILL_BUCKETS)
                for graphs in (True, False)]
     results = tokens_under(loaded, configs, requests)
     assert results[0] == results[1]
