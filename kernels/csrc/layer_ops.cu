@@ -138,9 +138,9 @@ __device__ __forceinline__ KV to_cache(T v, const float* scales, int kv_head) {
     return quantize_fp8(to_float(v), __ldg(scales + kv_head));
 }
 
-// One warp per head of one token (grid: tokens x groups of kRopeWarps heads), so that every
-// load of a step's q/k/v row is in flight at once: a loop of one block per token paid an L2 round
-// trip per pass, 32 passes for SmolLM2-1.7B's 96 heads at batch 1. A query or key head is
+// One warp per head of one token (grid: tokens x groups of kRopeWarps heads), so that all loads
+// of a decode step's q/k/v row are in flight at once (a block looping over a token's heads pays
+// an L2 round trip per pass, several us a layer at batch 1). A query or key head is
 // RMS-normalised in place when the params carry the norms' weights, rotated in place
 // (rotate-half: lane l holds the pairs (j, j + D/2) for j = l, l + 32, ...), and a key head is
 // stored at the token's cache slot; a value head is only stored. KV: T, or uint8_t for fp8

@@ -9,8 +9,8 @@ import torch
 from models import FusedDecoder, load_model
 from models.presets import ARCHITECTURES
 from server.engine import Engine, EngineConfig, SamplingParams
-from server.engine.config import DEFAULT_PREFILL_BUCKETS
 from server.engine.block_manager import BlockManager
+from server.engine.config import DEFAULT_PREFILL_BUCKETS
 from server.engine.model_runner import ModelRunner
 from server.engine.sequence import Sequence
 
