@@ -146,7 +146,8 @@ __device__ __forceinline__ KV to_cache(T v, const float* scales, int kv_head) {
 // stored at the token's cache slot; a value head is only stored. KV: T, or uint8_t for fp8
 // caches, which store the rounded values' codes (as write_kv would store them).
 constexpr int kRopeWarps = 8;
-constexpr int kRopeMaxPairs = kMaxRopeHeadDim / 64;    // pairs per lane
+constexpr int kRopePerLane = kMaxRopeHeadDim / 32;     // elements of a head per lane
+constexpr int kRopeMaxPairs = kRopePerLane / 2;
 
 template <typename T, typename KV>
 __global__ void rope_write_kv_kernel(RopeKvParams p) {
@@ -167,13 +168,13 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
   if (head >= hq + hkv) {  // a value head
     if (slot < 0) return;
     const int kv_head = head - hq - hkv;
-    T v[2 * kRopeMaxPairs];
+    T v[kRopePerLane];
 #pragma unroll
-    for (int i = 0; i < 2 * kRopeMaxPairs; ++i)
+    for (int i = 0; i < kRopePerLane; ++i)
       if (lane + 32 * i < d) v[i] = h[lane + 32 * i];
     KV* dst = cache_row(p.v_cache, kv_head);
 #pragma unroll
-    for (int i = 0; i < 2 * kRopeMaxPairs; ++i)
+    for (int i = 0; i < kRopePerLane; ++i)
       if (lane + 32 * i < d) dst[lane + 32 * i] = to_cache<T, KV>(v[i], p.v_scale, kv_head);
     return;
   }
