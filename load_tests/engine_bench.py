@@ -76,6 +76,47 @@ def run_ours(core: EngineCore, prompts, new_tokens: int) -> float:
     return elapsed
 
 
+def run_closed_loop(core: EngineCore, prompts, new_tokens: int, streams: int) -> float:
+    """``prompts`` served ``streams`` at a time, a new one starting as soon as one finishes (as a
+    server under ``streams`` clients that each send their next request when the last one ends)."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    finished = []
+    output = OutputProcessor(core.tokenizer)
+    queue = iter(enumerate(prompts))
+
+    def start_next():
+        i, prompt = next(queue, (None, None))
+        if prompt is not None:
+            output.add(f"bench-{i}", prompt, params)
+            core.add(f"bench-{i}", prompt, params, seed=i)
+
+    def publish(pairs, stats):
+        for _, event in output.process(pairs)[0]:
+            if isinstance(event, FinishEvent):
+                finished.append(event)
+                start_next()
+
+    core.publish = publish
+    started = time.perf_counter()
+    for _ in range(streams):
+        start_next()
+    core.run_until_idle()
+    elapsed = time.perf_counter() - started
+    assert len(finished) == len(prompts) and all(e.completion_tokens == new_tokens for e in finished), finished[:3]
+    return elapsed
+
+
+def fill_pool(core: EngineCore, vocab: int, seed: int) -> None:
+    """Prefills as many random tokens as the pool holds, one new token each, so that an engine
+    with prefix caching has every block cached (as a server's after a while) and each allocation
+    from then on evicts the least recently used block."""
+    bs = core.runner.block_size
+    length = bs * max(1, min(16, (core.max_model_len - 1) // bs))      # whole blocks, each cached when it ends
+    prompts = random_prompts(-(-core.runner.kv_tokens // length), length, vocab, seed)
+    for start in range(0, len(prompts), 64):
+        run_ours(core, prompts[start:start + 64], 1)
+
+
 def run_hf(model, prompts, new_tokens: int, mode: str) -> float:
     ids = torch.tensor(prompts, device=model.device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -195,6 +236,12 @@ def main(argv=None):
                     help="prefix caching of the engine; both: one engine each, interleaved (ours_nocache columns)")
     ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                     help="every prompt starts with the same N random tokens, then its own --prompt-len")
+    ap.add_argument("--closed-loop", type=int, default=None, metavar="N",
+                    help="each run serves N requests, --batch at a time, a new one as soon as one finishes "
+                         "(transformers is not run)")
+    ap.add_argument("--fill-pool", action="store_true",
+                    help="before timing, prefill as many tokens as each engine's pool holds, so that a "
+                         "caching engine's pool is full of cached blocks and every allocation evicts")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--prefill-graph-buckets", type=int, nargs="*", default=None,
                     help="token buckets of prefill graphs (none given: off; default: the engine's)")
@@ -212,6 +259,10 @@ def main(argv=None):
         ap.error("--prefix-caching: each setting once")
     if args.shared_prefix < 0:
         ap.error("--shared-prefix must be >= 0")
+    if args.closed_loop is not None and args.closed_loop < 1:
+        ap.error("--closed-loop must be >= 1")
+    if args.closed_loop:
+        args.hf = []
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -253,6 +304,9 @@ def main(argv=None):
             ("" if kv == args.kv_cache_dtype[0] else f"_{kv}")
         engines[name] = EngineCore(loaded, config, publish=lambda pairs, stats: None)
     engine = engines["ours"]
+    if args.fill_pool:
+        for core in engines.values():
+            fill_pool(core, vocab, seed=777)
     hf_model = None
     if args.hf:
         hf_model = copy.deepcopy(loaded.model)
@@ -262,11 +316,17 @@ def main(argv=None):
     for batch, shared, own, new_tokens, modes in cases:
         prompt_len = shared + own
 
-        def prompts_of(round_, batch=batch, own=own, shared=prefix[:shared]):
-            return random_prompts(batch, own, vocab, seed=(batch * 7 + own) * 1000 + round_ + 1, prefix=shared)
+        requests = args.closed_loop or batch
 
-        runners = {name: lambda r, core=core: run_ours(core, prompts_of(r), new_tokens)
-                   for name, core in engines.items()}
+        def prompts_of(round_, requests=requests, own=own, shared=prefix[:shared]):
+            return random_prompts(requests, own, vocab, seed=(requests * 7 + own) * 1000 + round_ + 1, prefix=shared)
+
+        if args.closed_loop:
+            runners = {name: lambda r, core=core, batch=batch: run_closed_loop(core, prompts_of(r), new_tokens, batch)
+                       for name, core in engines.items()}
+        else:
+            runners = {name: lambda r, core=core: run_ours(core, prompts_of(r), new_tokens)
+                       for name, core in engines.items()}
         for mode in modes:
             if batch <= args.hf_max_batch:
                 runners[f"hf_{mode}"] = lambda r, mode=mode: run_hf(hf_model, prompts_of(r), new_tokens, mode)
@@ -280,10 +340,10 @@ def main(argv=None):
         samples = interleaved(runners, args.repeats)
         times = {name: statistics.median(v) for name, v in samples.items()}
         row = {"batch": batch, "prompt_len": prompt_len, "shared_prefix": shared, "new_tokens": new_tokens,
-               "ours_s": times["ours"], "ours_tok_per_s": batch * new_tokens / times["ours"]}
+               "requests": requests, "ours_s": times["ours"], "ours_tok_per_s": requests * new_tokens / times["ours"]}
         row["tok_per_s"] = row["ours_tok_per_s"]
         for name in list(engines)[1:]:
-            row[f"{name}_tok_per_s"] = batch * new_tokens / times[name] if name in times else None
+            row[f"{name}_tok_per_s"] = requests * new_tokens / times[name] if name in times else None
         for mode in args.hf:
             t = times.get(f"hf_{mode}")
             row[f"hf_{mode}_tok_per_s"] = batch * new_tokens / t if t else None

@@ -111,3 +111,41 @@ def test_kv_cache_dtypes_run_side_by_side(tmp_path):
 def test_decode_step_timing_needs_cuda():
     with pytest.raises(SystemExit):
         engine_bench.main(["--model", "random:tiny", "--device", "cpu", "--decode-step", "1:128"])
+
+
+def test_closed_loop_keeps_the_streams_busy_and_fill_pool_leaves_every_block_cached(tmp_path, monkeypatch):
+    filled = []
+    fill_pool = engine_bench.fill_pool
+
+    def recording_fill(core, vocab, seed):
+        fill_pool(core, vocab, seed)
+        filled.append((core.blocks.prefix_caching, core.blocks.num_cached_idle, core.blocks.num_blocks))
+
+    admitted = []
+    run_closed_loop = engine_bench.run_closed_loop
+
+    def recording_loop(core, prompts, new_tokens, streams):
+        add = core.add
+
+        def add_counting(*args, **kwargs):
+            admitted.append(len(core.scheduler.running) + len(core.scheduler.waiting))
+            return add(*args, **kwargs)
+
+        core.add = add_counting
+        try:
+            return run_closed_loop(core, prompts, new_tokens, streams)
+        finally:
+            del core.add
+
+    monkeypatch.setattr(engine_bench, "fill_pool", recording_fill)
+    monkeypatch.setattr(engine_bench, "run_closed_loop", recording_loop)
+    out = tmp_path / "bench.json"
+    engine_bench.main(["--model", "random:tiny", "--device", "cpu", "--batch", "2", "--prompt-len", "8",
+                       "--new-tokens", "4", "--closed-loop", "5", "--repeats", "1", "--num-blocks", "40",
+                       "--block-size", "16", "--prefix-caching", "on", "off", "--fill-pool", "--out", str(out)])
+    # with caching every block is cached and idle after the fill; without, none is
+    assert filled == [(True, 40, 40), (False, 0, 40)]
+    # per engine: 5 requests, never more than 2 in the engine when one is added
+    assert len(admitted) == 10 and max(admitted) <= 1
+    row = json.loads(out.read_text())["ours"][0]
+    assert row["requests"] == 5 and row["ours_tok_per_s"] > 0 and row["ours_nocache_tok_per_s"] > 0

@@ -9,6 +9,7 @@
 # for the prompts with nothing shared (medians over the rounds of each round's ratio).
 #
 #   bash tests/gpu/prefix_caching_bench.sh OUT_DIR
+#   LEVELS="none" ROUNDS=3 bash tests/gpu/prefix_caching_bench.sh OUT_DIR     # nothing shared only
 #   MODELS=random:tiny DEVICE=cpu PREFIX=64 OWN=8 OUTPUT=4 REQUESTS=8 SECONDS_PER_LEVEL=5 TURNS=2 bash tests/gpu/prefix_caching_bench.sh /tmp/p
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,6 +26,7 @@ TURNS=${TURNS:-8}
 WORKERS=${WORKERS:-8}            # client processes: two ran at 190 % of 2 cores at 64 streams and set the pace
 SERVER_ARGS=${SERVER_ARGS:-}
 ROUNDS=${ROUNDS:-2}
+LEVELS=${LEVELS:-shared_c1 shared16 shared64 chat none}   # a subset runs only those levels
 MEMORY_FRACTION=${MEMORY_FRACTION:-0.4}   # each of the two servers'
 
 healthy() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; }
@@ -71,7 +73,7 @@ for model in $MODELS; do
   if start_server on "$MEMORY_FRACTION" && start_server off "$(python3 -c "print(2 * $MEMORY_FRACTION)")"; then
     for round in $(seq "$ROUNDS"); do
       order="on off"; [ $((round % 2)) = 0 ] && order="off on"
-      for level in shared_c1 shared16 shared64 chat none; do
+      for level in $LEVELS; do
         for caching in $order; do
           dir="$out/${model//[:\/]/_}/$caching"; port_of=port_$caching; port=${!port_of}
           case $level in
