@@ -14,6 +14,13 @@ the whole batch (prefill included), as vLLM's offline throughput benchmark does.
     python -m load_tests.engine_bench --device cuda --model random:smollm2-135m --hf \
         --kv-cache-dtype auto fp8 --decode-step 8:32768 256:4096 1:128   # the decode step alone
 
+``--closed-loop K`` keeps ``--batch`` streams busy, each sending K requests in turn, the next as
+soon as its last one finishes (a server's load without the HTTP in front), and adds each engine's
+median time to first token (arrival in the engine to the first token):
+
+    python -m load_tests.engine_bench --device cuda --model random:smollm2-135m --batch 16 64 --closed-loop 8 \
+        --shared-prefix 2048 --prefix-caching on off --fill-pool
+
 ``--kv-cache-dtype auto fp8`` runs one engine per KV cache type, interleaved (ours_fp8 columns).
 ``--decode-step B:CTX ...`` times only the decode step instead (no prefill, no sampling): the
 batch's CUDA graph replayed over B sequences of CTX cached tokens each, median GPU time per
@@ -76,9 +83,11 @@ def run_ours(core: EngineCore, prompts, new_tokens: int) -> float:
     return elapsed
 
 
-def run_closed_loop(core: EngineCore, prompts, new_tokens: int, streams: int) -> float:
+def run_closed_loop(core: EngineCore, prompts, new_tokens: int, streams: int) -> tuple[float, list[float]]:
     """``prompts`` served ``streams`` at a time, a new one starting as soon as one finishes (as a
-    server under ``streams`` clients that each send their next request when the last one ends)."""
+    server under ``streams`` clients that each send their next request when the last one ends).
+    Returns the wall time and every request's time to first token (arrival in the engine to its
+    first token), in seconds."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     finished = []
     output = OutputProcessor(core.tokenizer)
@@ -103,7 +112,7 @@ def run_closed_loop(core: EngineCore, prompts, new_tokens: int, streams: int) ->
     core.run_until_idle()
     elapsed = time.perf_counter() - started
     assert len(finished) == len(prompts) and all(e.completion_tokens == new_tokens for e in finished), finished[:3]
-    return elapsed
+    return elapsed, [e.timings["ttft"] for e in finished]
 
 
 def fill_pool(core: EngineCore, vocab: int, seed: int) -> None:
@@ -236,9 +245,9 @@ def main(argv=None):
                     help="prefix caching of the engine; both: one engine each, interleaved (ours_nocache columns)")
     ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                     help="every prompt starts with the same N random tokens, then its own --prompt-len")
-    ap.add_argument("--closed-loop", type=int, default=None, metavar="N",
-                    help="each run serves N requests, --batch at a time, a new one as soon as one finishes "
-                         "(transformers is not run)")
+    ap.add_argument("--closed-loop", type=int, default=None, metavar="K",
+                    help="each of --batch streams sends K requests in turn, the next as soon as its last "
+                         "one finishes; adds the median time to first token (transformers is not run)")
     ap.add_argument("--fill-pool", action="store_true",
                     help="before timing, prefill as many tokens as each engine's pool holds, so that a "
                          "caching engine's pool is full of cached blocks and every allocation evicts")
@@ -316,14 +325,20 @@ def main(argv=None):
     for batch, shared, own, new_tokens, modes in cases:
         prompt_len = shared + own
 
-        requests = args.closed_loop or batch
+        requests = batch * (args.closed_loop or 1)
 
         def prompts_of(round_, requests=requests, own=own, shared=prefix[:shared]):
             return random_prompts(requests, own, vocab, seed=(requests * 7 + own) * 1000 + round_ + 1, prefix=shared)
 
+        ttfts = {name: [] for name in engines}          # closed loop: each run's median time to first token
+
+        def closed_loop(round_, name, core, batch=batch):
+            elapsed, firsts = run_closed_loop(core, prompts_of(round_), new_tokens, batch)
+            ttfts[name].append(statistics.median(firsts))
+            return elapsed
+
         if args.closed_loop:
-            runners = {name: lambda r, core=core, batch=batch: run_closed_loop(core, prompts_of(r), new_tokens, batch)
-                       for name, core in engines.items()}
+            runners = {name: lambda r, name=name, core=core: closed_loop(r, name, core) for name, core in engines.items()}
         else:
             runners = {name: lambda r, core=core: run_ours(core, prompts_of(r), new_tokens)
                        for name, core in engines.items()}
@@ -344,6 +359,9 @@ def main(argv=None):
         row["tok_per_s"] = row["ours_tok_per_s"]
         for name in list(engines)[1:]:
             row[f"{name}_tok_per_s"] = requests * new_tokens / times[name] if name in times else None
+        for name, values in ttfts.items():
+            if values:
+                row[f"{name}_ttft_ms"] = 1e3 * statistics.median(values)
         for mode in args.hf:
             t = times.get(f"hf_{mode}")
             row[f"hf_{mode}_tok_per_s"] = batch * new_tokens / t if t else None
@@ -371,14 +389,17 @@ def main(argv=None):
 
 def markdown(rows, modes, others=()) -> str:
     names = ["ours", *others] + [f"hf_{m}" for m in modes]
-    head = ["B", "prompt", "new"] + [f"{n} tok/s" for n in names] + ["ours / best HF"]
+    timed_first = [n for n in ["ours", *others] if any(f"{n}_ttft_ms" in r for r in rows)]
+    head = (["B", "prompt", "new"] + [f"{n} tok/s" for n in names] + [f"{n} TTFT p50 ms" for n in timed_first]
+            + ["ours / best HF"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         rates = [f"{r.get(f'{n}_tok_per_s') or float('nan'):.1f}" for n in names]
+        firsts = [f"{r.get(f'{n}_ttft_ms') or float('nan'):.2f}" for n in timed_first]
         ratio = f"{r['ratio_to_best_hf']:.2f}x" if r["ratio_to_best_hf"] else "-"
         shared = r.get("shared_prefix") or 0
         prompt = f"{shared}+{r['prompt_len'] - shared}" if shared else str(r["prompt_len"])
-        lines.append("| " + " | ".join([str(r["batch"]), prompt, str(r["new_tokens"]), *rates, ratio]) + " |")
+        lines.append("| " + " | ".join([str(r["batch"]), prompt, str(r["new_tokens"]), *rates, *firsts, ratio]) + " |")
     return "\n".join(lines)
 
 

@@ -133,7 +133,9 @@ def test_closed_loop_keeps_the_streams_busy_and_fill_pool_leaves_every_block_cac
 
         core.add = add_counting
         try:
-            return run_closed_loop(core, prompts, new_tokens, streams)
+            elapsed, firsts = run_closed_loop(core, prompts, new_tokens, streams)
+            assert len(firsts) == len(prompts) and all(f > 0 for f in firsts)
+            return elapsed, firsts
         finally:
             del core.add
 
@@ -141,11 +143,12 @@ def test_closed_loop_keeps_the_streams_busy_and_fill_pool_leaves_every_block_cac
     monkeypatch.setattr(engine_bench, "run_closed_loop", recording_loop)
     out = tmp_path / "bench.json"
     engine_bench.main(["--model", "random:tiny", "--device", "cpu", "--batch", "2", "--prompt-len", "8",
-                       "--new-tokens", "4", "--closed-loop", "5", "--repeats", "1", "--num-blocks", "40",
+                       "--new-tokens", "4", "--closed-loop", "3", "--repeats", "1", "--num-blocks", "40",
                        "--block-size", "16", "--prefix-caching", "on", "off", "--fill-pool", "--out", str(out)])
     # with caching every block is cached and idle after the fill; without, none is
     assert filled == [(True, 40, 40), (False, 0, 40)]
-    # per engine: 5 requests, never more than 2 in the engine when one is added
-    assert len(admitted) == 10 and max(admitted) <= 1
+    # per engine: 2 streams of 3 requests, never more than 2 in the engine when one is added
+    assert len(admitted) == 12 and max(admitted) <= 1
     row = json.loads(out.read_text())["ours"][0]
-    assert row["requests"] == 5 and row["ours_tok_per_s"] > 0 and row["ours_nocache_tok_per_s"] > 0
+    assert row["requests"] == 6 and row["ours_tok_per_s"] > 0 and row["ours_nocache_tok_per_s"] > 0
+    assert row["ours_ttft_ms"] > 0 and row["ours_nocache_ttft_ms"] > 0

@@ -28,6 +28,19 @@ SERVER_ARGS=${SERVER_ARGS:-}
 ROUNDS=${ROUNDS:-2}
 LEVELS=${LEVELS:-shared_c1 shared16 shared64 chat none}   # a subset runs only those levels
 MEMORY_FRACTION=${MEMORY_FRACTION:-0.4}   # each of the two servers'
+# Both servers on one half of the CPUs, the clients on the other: whichever server is loaded gets
+# the same cores. Unpinned, the two instances differed by 10-15 % with nothing shared, the sign
+# changing from run to run (docs/prefix-caching.md). Empty: no pinning.
+cpus=$(nproc)
+if [ "$cpus" -ge 8 ] && command -v taskset > /dev/null; then
+  SERVER_CPUS=${SERVER_CPUS-0-$((cpus / 2 - 1))}
+  CLIENT_CPUS=${CLIENT_CPUS-$((cpus / 2))-$((cpus - 1))}
+else
+  SERVER_CPUS=${SERVER_CPUS-} CLIENT_CPUS=${CLIENT_CPUS-}
+fi
+# the API workers the server's "auto" gives on the whole host (pinned, it would count half the CPUs)
+api_workers=$(( cpus / 4 < 1 ? 1 : (cpus / 4 > 4 ? 4 : cpus / 4) ))
+pinned() { local cpus=$1; shift; if [ -n "$cpus" ]; then taskset -c "$cpus" "$@"; else "$@"; fi; }
 
 healthy() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; }
 free_port() { python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
@@ -35,7 +48,7 @@ free_port() { python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1
 loadgen() {   # loadgen NAME ARGS...: one run against the server on $port, into $dir/NAME
   local name=$1; shift
   local first; first=$(wc -l < "$dir/server.log")
-  timeout 600 python3 -m load_tests.loadgen --base-url "http://127.0.0.1:$port" --output-len "$OUTPUT" \
+  pinned "$CLIENT_CPUS" timeout 600 python3 -m load_tests.loadgen --base-url "http://127.0.0.1:$port" --output-len "$OUTPUT" \
       --warmup 2 --no-progress --no-plots --workers "$WORKERS" --max-duration "$SECONDS_PER_LEVEL" \
       --out-dir "$dir/$name" "$@" > "$dir/$name.log" 2>&1 \
     || { echo "loadgen $name failed:"; tail -5 "$dir/$name.log"; }
@@ -49,8 +62,8 @@ start_server() {   # start_server CACHING FRACTION: a server on a free port, hea
   mkdir -p "$dir"
   port=$(free_port)
   [ "$caching" = off ] && flag="--no-prefix-caching"
-  python3 -m server --model "$model" --device "$DEVICE" --port "$port" --gpu-memory-fraction "$fraction" \
-      $flag $SERVER_ARGS > "$dir/server.log" 2>&1 &
+  pinned "$SERVER_CPUS" python3 -m server --model "$model" --device "$DEVICE" --port "$port" --gpu-memory-fraction "$fraction" \
+      --api-workers "$api_workers" $flag $SERVER_ARGS > "$dir/server.log" 2>&1 &
   server=$!
   eval "server_$caching=$server port_$caching=$port"
   for _ in $(seq 600); do
