@@ -6,11 +6,12 @@ tensors; both compute the same split-KV algorithm (see ``reference.py`` and ``cs
 
 from .paging import cache_shape, pack_paged
 from .planner import Plan, split_plan
-from .reference import reference_decode, reference_write_kv
+from .reference import reference_decode, reference_read_kv, reference_write_kv
 from .window import check_window
 from .workspace import Workspace
 
-__all__ = ["flash_decode", "write_kv", "reference_decode", "reference_write_kv", "pack_paged",
+__all__ = ["flash_decode", "write_kv", "read_kv", "reference_decode", "reference_write_kv", "reference_read_kv",
+           "pack_paged",
            "cache_shape", "Workspace", "Plan", "split_plan", "check_window"]
 
 
@@ -55,3 +56,13 @@ def write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=N
         from . import ops
         return ops.write_kv_cuda(k_cache, v_cache, key, value, slot_mapping, k_scale, v_scale)
     return reference_write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale, v_scale)
+
+
+def read_kv(k_cache, v_cache, slot_mapping, dtype, k_scale=None, v_scale=None):
+    """The rows ``(key, value)``, each ``[K, Hkv, D]`` of ``dtype``, stored at ``slot_mapping [K]``
+    (int32); slot -1 reads as a row of zeros. float8_e4m3fn caches are read as ``code * scale``
+    (``kv_quant.dequantize``), other caches into their own dtype."""
+    if k_cache.is_cuda:
+        from . import ops
+        return ops.read_kv_cuda(k_cache, v_cache, slot_mapping, dtype, k_scale, v_scale)
+    return reference_read_kv(k_cache, v_cache, slot_mapping, dtype, k_scale, v_scale)

@@ -1,4 +1,4 @@
-"""The CUDA ops ``torch.ops.flashdecode.flash_decode`` / ``write_kv`` and their Python entry points.
+"""The CUDA ops ``torch.ops.flashdecode.flash_decode`` / ``write_kv`` / ``read_kv`` and their Python entry points.
 
 The ops are defined in ``csrc/binding.cpp`` (TORCH_LIBRARY) and built on first use
 (``build.py``); the fake kernels below let torch.compile trace them as single ops. The entry
@@ -50,6 +50,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("flashdecode::write_kv")
     def _write_kv_fake(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
         return None
+
+    @torch.library.register_fake("flashdecode::read_kv")
+    def _read_kv_fake(k_cache, v_cache, slot_mapping, dtype, k_scale=None, v_scale=None):
+        shape = (slot_mapping.shape[0], k_cache.shape[1], k_cache.shape[3])
+        return k_cache.new_empty(shape, dtype=dtype), k_cache.new_empty(shape, dtype=dtype)
 
     @torch.library.register_fake("flashdecode::rms_norm")
     def _rms_norm_fake(x, weight, eps):
@@ -203,6 +208,24 @@ def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_sc
     value = _rows_aligned(value.to(row_dtype))
     load(key.device)
     torch.ops.flashdecode.write_kv(k_cache, v_cache, key, value, slot_mapping.contiguous(), k_scale, v_scale)
+
+
+def read_kv_cuda(k_cache, v_cache, slot_mapping, dtype, k_scale=None, v_scale=None):
+    """``kernels.read_kv`` for CUDA tensors."""
+    _check_cache(k_cache, v_cache, k_cache.device)
+    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"read_kv reads into one of bfloat16/float16, not {dtype}")
+    if not fp8 and dtype != k_cache.dtype:
+        raise ValueError(f"read_kv of a {k_cache.dtype} cache reads into {k_cache.dtype}, not {dtype}")
+    if slot_mapping.dtype != torch.int32 or slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping must be int32 [K], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if slot_mapping.device != k_cache.device:
+        raise ValueError(f"slot_mapping is on {slot_mapping.device}, the caches on {k_cache.device}")
+    if k_cache.shape[3] % 8:
+        raise ValueError(f"read_kv needs head_dim a multiple of 8, not {k_cache.shape[3]}")
+    load(k_cache.device)
+    return torch.ops.flashdecode.read_kv(k_cache, v_cache, slot_mapping.contiguous(), dtype, k_scale, v_scale)
 
 
 def _rows_aligned(t: torch.Tensor) -> torch.Tensor:

@@ -127,6 +127,22 @@ def split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, *, scal
     return merge_splits(o, lse).to(q.dtype)
 
 
+def reference_read_kv(k_cache, v_cache, slot_mapping, dtype, k_scale=None, v_scale=None):
+    """The rows stored at ``slot_mapping [K]`` as ``(key, value)`` ``[K, Hkv, D]`` of ``dtype``;
+    slots < 0 read zeros. fp8 caches read as ``kv_quant.dequantize`` of the codes at the scales."""
+    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
+    block_size = k_cache.shape[2]
+    slots = slot_mapping.long()
+    stored = slots >= 0
+    at = slots.clamp(min=0)
+    rows = []
+    for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
+        r = cache[at // block_size, :, at % block_size]
+        r = (dequantize(r, scale) if fp8 else r).to(dtype)
+        rows.append(torch.where(stored.view(-1, 1, 1), r, torch.zeros((), dtype=dtype, device=r.device)))
+    return rows[0], rows[1]
+
+
 def reference_write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
     """Store ``key/value [T, Hkv, D]`` at ``slot_mapping [T]``; slots < 0 write nothing. fp8
     caches store ``kv_quant.quantize`` of the rows at the scales."""

@@ -57,14 +57,15 @@ class AttentionBatch:
     context_lens: list[int] | None = None
     # query_starts on the device (int32, may end in empty sequences) and the longest chunk, for one
     # varlen attention call on a GPU: over the chunks' own keys for whole prompts (nothing cached
-    # before them), else over kv_gather's rows.
+    # before them), else over the key rows read at key_slots.
     cu_query_starts: torch.Tensor | None = None
     max_query_len: int = 0
-    # Chunks after a cached prefix, in one varlen call over keys and values gathered from the
-    # cache: (block, offset) of every key row ([K] int64 each; each sequence's rows in order, its
-    # cached tokens then its chunk), the key rows' starts (int32 on the device; host ints for the
-    # CPU) and the longest. The query rows attend causally, aligned to the end of their key rows.
-    kv_gather: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Chunks after a cached prefix, in one varlen call over keys and values read from the cache
+    # (kernels.read_kv): the cache slot of every key row ([K] int32, each sequence's rows in
+    # order, its cached tokens then its chunk; -1 reads zeros), the key rows' starts (int32 on the
+    # device; host ints for the CPU) and the longest. The query rows attend causally, aligned to
+    # the end of their key rows.
+    key_slots: torch.Tensor | None = None
     cu_kv_starts: torch.Tensor | None = None
     kv_starts: list[int] | None = None
     max_kv_len: int = 0
@@ -94,10 +95,8 @@ def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache, k
     at position i attends to positions ``i - window < p <= i`` (``kernels.window``). Keys and
     values read back from fp8 caches are dequantised at ``k_scale``/``v_scale``."""
     window = kernels.check_window(window)
-    if batch.kv_gather is not None:
-        blocks, offsets = batch.kv_gather
-        k = cached_rows(k_cache[blocks, :, offsets], k_scale, q.dtype)             # [K, Hkv, D]
-        v = cached_rows(v_cache[blocks, :, offsets], v_scale, q.dtype)
+    if batch.key_slots is not None:
+        k, v = kernels.read_kv(k_cache, v_cache, batch.key_slots, q.dtype, k_scale, v_scale)    # [K, Hkv, D]
         if q.is_cuda:
             return torch.ops.aten._flash_attention_forward(
                 q, k, v, batch.cu_query_starts, batch.cu_kv_starts, batch.max_query_len, batch.max_kv_len,
@@ -128,7 +127,7 @@ def causal_mask(num_queries: int, num_keys: int, window: int | None, device=None
 
 
 def _gathered_chunks(q, k, v, scale, batch: AttentionBatch, window=None) -> torch.Tensor:
-    """The CPU's loop for ``kv_gather``: per sequence, its queries against its gathered keys."""
+    """The CPU's loop for ``key_slots``: per sequence, its queries against the key rows read for it."""
     out = q.new_zeros(q.shape)
     qs, ks = batch.query_starts, batch.kv_starts
     for i in range(len(qs) - 1):

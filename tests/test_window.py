@@ -179,7 +179,7 @@ def prefill_case(contexts, takes, num_kv_heads=2, group=3, head_dim=64, block_si
     v_cache = torch.zeros_like(k_cache)
     table = torch.randperm(num_blocks, generator=g).view(len(totals), blocks_per_seq).to(torch.int32)
     keys, values, qs, starts = [], [], [], [0]
-    blocks, offsets, kv_starts = [], [], [0]
+    key_slots, kv_starts = [], [0]
     for i, total in enumerate(totals):
         k = torch.randn(total, num_kv_heads, head_dim, generator=g)
         v = torch.randn(total, num_kv_heads, head_dim, generator=g)
@@ -189,15 +189,14 @@ def prefill_case(contexts, takes, num_kv_heads=2, group=3, head_dim=64, block_si
         values.append(v)
         qs.append(torch.randn(takes[i], num_kv_heads * group, head_dim, generator=g))
         starts.append(starts[-1] + takes[i])
-        blocks.append(slots // block_size)
-        offsets.append(slots % block_size)
+        key_slots.append(slots.int())
         kv_starts.append(kv_starts[-1] + total)
     q = torch.cat(qs)
     chunk_k = torch.cat([k[c:] for k, c in zip(keys, contexts)])
     chunk_v = torch.cat([v[c:] for v, c in zip(values, contexts)])
     batch = AttentionBatch([(k_cache, v_cache)], None, table, torch.tensor(totals, dtype=torch.int32),
                            is_decode=False, query_starts=starts, context_lens=list(contexts))
-    gather = dict(kv_gather=(torch.cat(blocks), torch.cat(offsets)), kv_starts=kv_starts,
+    gather = dict(key_slots=torch.cat(key_slots), kv_starts=kv_starts,
                   max_kv_len=max(totals))
     return q, chunk_k, chunk_v, keys, values, batch, gather, (k_cache, v_cache)
 

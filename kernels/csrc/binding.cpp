@@ -185,6 +185,53 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key, c
   TORCH_CHECK(err == cudaSuccess, "write_kv launch failed: ", cudaGetErrorString(err));
 }
 
+std::tuple<at::Tensor, at::Tensor> read_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                           const at::Tensor& slot_mapping, at::ScalarType dtype,
+                                           const std::optional<at::Tensor>& k_scale,
+                                           const std::optional<at::Tensor>& v_scale) {
+  const auto device = k_cache.device();
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"},
+                         {&slot_mapping, "slot_mapping"}})
+    check_cuda(*t, name, device);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache must be contiguous [num_blocks, Hkv, block_size, D] of one shape and dtype");
+  const KvDType kv_dtype = check_kv_scales(k_cache, k_scale, v_scale);
+  const bool fp8 = kv_dtype == KvDType::kFp8E4m3;
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "read_kv reads into bfloat16 or float16, not ", dtype);
+  TORCH_CHECK(fp8 || dtype == k_cache.scalar_type(), "read_kv of a ", k_cache.scalar_type(),
+              " cache reads into its own dtype, not ", dtype);
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kInt,
+              "slot_mapping must be contiguous int32 [K]");
+  const int64_t hkv = k_cache.size(1), bs = k_cache.size(2), d = k_cache.size(3);
+  TORCH_CHECK(d % 8 == 0 && aligned16(k_cache) && aligned16(v_cache), "head_dim must be a multiple of 8 and the caches "
+              "16-byte aligned");
+  at::Tensor key = at::empty({slot_mapping.size(0), hkv, d}, k_cache.options().dtype(dtype));
+  at::Tensor value = at::empty({slot_mapping.size(0), hkv, d}, k_cache.options().dtype(dtype));
+
+  c10::cuda::CUDAGuard guard(device);
+  ReadKvParams p{};
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.key = key.data_ptr();
+  p.value = value.data_ptr();
+  p.slot_mapping = slot_mapping.data_ptr<int32_t>();
+  p.num_rows = slot_mapping.size(0);
+  p.num_slots = k_cache.size(0) * bs;
+  p.num_kv_heads = static_cast<int>(hkv);
+  p.block_size = static_cast<int>(bs);
+  p.head_dim = static_cast<int>(d);
+  p.kv_dtype = kv_dtype;
+  p.dst_dtype = dtype == at::kBFloat16 ? DType::kBFloat16 : DType::kHalf;
+  if (fp8) {
+    p.k_scale = k_scale->data_ptr<float>();
+    p.v_scale = v_scale->data_ptr<float>();
+  }
+  const cudaError_t err = launch_read_kv(p, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "read_kv launch failed: ", cudaGetErrorString(err));
+  return {key, value};
+}
+
 DType dtype_of(const at::Tensor& t) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, "expected bf16 or fp16, got ",
               t.scalar_type());
@@ -418,6 +465,9 @@ TORCH_LIBRARY(flashdecode, m) {
   m.def(
       "write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slot_mapping, "
       "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+  m.def(
+      "read_kv(Tensor k_cache, Tensor v_cache, Tensor slot_mapping, ScalarType dtype, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x, int act=0) -> Tensor");
@@ -434,6 +484,7 @@ TORCH_LIBRARY(flashdecode, m) {
 TORCH_LIBRARY_IMPL(flashdecode, CUDA, m) {
   m.impl("flash_decode", &flashdecode::flash_decode);
   m.impl("write_kv", &flashdecode::write_kv);
+  m.impl("read_kv", &flashdecode::read_kv);
   m.impl("rms_norm", &flashdecode::rms_norm);
   m.impl("add_rms_norm", &flashdecode::add_rms_norm);
   m.impl("silu_and_mul", &flashdecode::silu_and_mul);

@@ -114,7 +114,24 @@ struct WriteKvParams {
   const float* v_scale;
 };
 
+// The inverse of WriteKvParams: rows [K, Hkv, D] read from their slots (fp8 codes dequantised).
+struct ReadKvParams {
+  const void* k_cache;            // [num_blocks, Hkv, block_size, D] contiguous
+  const void* v_cache;
+  void* key;                      // [K, Hkv, D] contiguous, of dst_dtype
+  void* value;
+  const int32_t* slot_mapping;    // [K]; a slot < 0 reads as a row of zeros
+  int64_t num_rows, num_slots;    // num_slots = num_blocks * block_size
+  int num_kv_heads, block_size, head_dim;
+
+  KvDType kv_dtype;               // kFp8E4m3: rows are code * scale, rounded to dst_dtype
+  DType dst_dtype;
+  const float* k_scale;           // [Hkv] float32 on the device (fp8 caches only, else null)
+  const float* v_scale;
+};
+
 cudaError_t launch_flash_decode(const DecodeParams& params, cudaStream_t stream);
 cudaError_t launch_write_kv(const WriteKvParams& params, cudaStream_t stream);
+cudaError_t launch_read_kv(const ReadKvParams& params, cudaStream_t stream);
 
 }  // namespace flashdecode

@@ -1,6 +1,8 @@
 // The KV-cache write: one layer's new key/value rows [T, Hkv, D] into their slots of the paged
 // cache; slot -1 (any negative slot) marks a padded row that writes nothing. An fp8 cache's
 // rows are quantised in the same launch, with one scale per KV head for K and one for V.
+// And its inverse, the read: rows [K, Hkv, D] gathered from their slots (a prefill after a cached
+// prefix attends over them), fp8 codes dequantised in the same pass; slot -1 reads zeros.
 
 #include <cstdint>
 #include <type_traits>
@@ -85,7 +87,74 @@ __global__ void write_kv_fp8_kernel(const WriteKvParams p) {
   }
 }
 
+// Eight e4m3 codes * scale -> eight elements of T (16 bytes), rounded once from float.
+template <typename T>
+__device__ __forceinline__ uint4 dequantize8(uint2 codes, float scale) {
+  uint4 out;
+  T* y = reinterpret_cast<T*>(&out);
+  const uint8_t* c = reinterpret_cast<const uint8_t*>(&codes);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float f = __half2float(__half(__nv_cvt_fp8_to_halfraw(c[i], __NV_E4M3))) * scale;
+    if constexpr (std::is_same_v<T, __half>)
+      y[i] = __float2half_rn(f);
+    else
+      y[i] = __float2bfloat16_rn(f);
+  }
+  return out;
+}
+
+// A thread reads 8 elements (16 output bytes) of one row's key and value for one KV head.
+template <typename T, bool kFp8>
+__global__ void read_kv_kernel(const ReadKvParams p) {
+  const int chunks = p.head_dim / 8;
+  const int64_t total = p.num_rows * p.num_kv_heads * chunks;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+    const int chunk = i % chunks;
+    const int64_t row_head = i / chunks;
+    const int head = row_head % p.num_kv_heads;
+    const int64_t slot = p.slot_mapping[row_head / p.num_kv_heads];
+    uint4 k = make_uint4(0, 0, 0, 0), v = k;
+    if (slot >= 0 && slot < p.num_slots) {
+      const int64_t block = slot / p.block_size, row = slot % p.block_size;
+      const int64_t src = ((block * p.num_kv_heads + head) * p.block_size + row) * p.head_dim + chunk * 8;
+      if constexpr (kFp8) {
+        k = dequantize8<T>(*reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(p.k_cache) + src), p.k_scale[head]);
+        v = dequantize8<T>(*reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(p.v_cache) + src), p.v_scale[head]);
+      } else {
+        k = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.k_cache) + src);
+        v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.v_cache) + src);
+      }
+    }
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.key) + row_head * p.head_dim + chunk * 8) = k;
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.value) + row_head * p.head_dim + chunk * 8) = v;
+  }
+}
+
+template <typename T>
+void launch_read_kv_as(const ReadKvParams& p, unsigned grid, int threads, cudaStream_t stream) {
+  if (p.kv_dtype == KvDType::kFp8E4m3)
+    read_kv_kernel<T, true><<<grid, threads, 0, stream>>>(p);
+  else
+    read_kv_kernel<T, false><<<grid, threads, 0, stream>>>(p);
+}
+
 }  // namespace
+
+cudaError_t launch_read_kv(const ReadKvParams& p, cudaStream_t stream) {
+  if (p.kv_dtype == KvDType::kFp8E4m3 && (p.k_scale == nullptr || p.v_scale == nullptr)) return cudaErrorInvalidValue;
+  if (p.head_dim % 8 != 0) return cudaErrorInvalidValue;
+  const int64_t total = p.num_rows * p.num_kv_heads * (p.head_dim / 8);
+  if (total == 0) return cudaSuccess;
+  const int threads = 256;
+  const int64_t blocks = (total + threads - 1) / threads;
+  const unsigned grid = (unsigned)(blocks < 8192 ? blocks : 8192);
+  if (p.dst_dtype == DType::kBFloat16)
+    launch_read_kv_as<__nv_bfloat16>(p, grid, threads, stream);
+  else
+    launch_read_kv_as<__half>(p, grid, threads, stream);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_write_kv(const WriteKvParams& p, cudaStream_t stream) {
   const bool fp8 = p.kv_dtype == KvDType::kFp8E4m3;

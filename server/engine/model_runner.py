@@ -293,9 +293,9 @@ class ModelRunner:
         to_dev = self._to_device
         on_gpu = self.device.type == "cuda"
         context = {}
-        if any(contexts) and on_gpu:             # one varlen call over key rows gathered from the cache
-            blocks, offsets, key_starts = key_rows(chunks, self.block_size)
-            context = dict(kv_gather=(to_dev(blocks).long(), to_dev(offsets).long()),
+        if any(contexts) and on_gpu:             # one varlen call over key rows read from the cache
+            key_slots, key_starts = key_rows(chunks, self.block_size)
+            context = dict(key_slots=to_dev(key_slots),
                            cu_kv_starts=to_dev(key_starts), kv_starts=key_starts,
                            max_kv_len=max(b - a for a, b in zip(key_starts, key_starts[1:])))
         batch = AttentionBatch(self.kv_caches, to_dev(slots), to_dev(table), to_dev(lens),

@@ -7,9 +7,10 @@ real ones (so attention stays finite there) and carry slot -1 (so they write not
 cache); unused sequence slots are empty. The logits are taken at each chunk's last row.
 
 Whole prompts (nothing cached before them) attend over their own keys. Chunks that follow a
-cached prefix (prefix caching, or a long prompt's later chunks) attend over key rows gathered
-from the cache (``key_rows``): their graphs are captured per pair of token bucket and key-row
-bucket; the padding sequence's key rows are as many as its query rows.
+cached prefix (prefix caching, or a long prompt's later chunks) attend over key rows read from
+the cache at their slots (``key_rows``, ``kernels.read_kv``): their graphs are captured per pair
+of token bucket and key-row bucket; the padding sequence's key rows, as many as its query rows,
+and the bucket's spare rows read zeros (slot -1).
 """
 
 import logging
@@ -28,18 +29,17 @@ log = logging.getLogger(__name__)
 KEY_ROW_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
-def key_rows(chunks, block_size: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """For chunks [(seq, take)] whose first ``seq.num_cached`` tokens are cached: the (block,
-    offset) of every key row, each sequence's rows from its first token through its chunk, and
+def key_rows(chunks, block_size: int) -> tuple[np.ndarray, list[int]]:
+    """For chunks [(seq, take)] whose first ``seq.num_cached`` tokens are cached: the cache slot
+    (int32) of every key row, each sequence's rows from its first token through its chunk, and
     the starts of each sequence's rows."""
-    blocks, offsets, starts = [], [], [0]
+    slots, starts = [], [0]
     for seq, take in chunks:
         positions = np.arange(seq.num_cached + take)
         table = np.asarray(seq.block_table, dtype=np.int64)
-        blocks.append(table[positions // block_size])
-        offsets.append(positions % block_size)
+        slots.append(table[positions // block_size] * block_size + positions % block_size)
         starts.append(starts[-1] + len(positions))
-    return np.concatenate(blocks), np.concatenate(offsets), starts
+    return np.concatenate(slots).astype(np.int32), starts
 
 
 class PrefillGraphs:
@@ -62,8 +62,7 @@ class PrefillGraphs:
         # one more sequence than chunks: the padding rows
         self.starts = torch.zeros(max_seqs + 2, dtype=torch.int32, device=device)
         self.key_starts = torch.zeros(max_seqs + 2, dtype=torch.int32, device=device)
-        self.key_blocks = torch.zeros(keys, dtype=torch.int64, device=device)
-        self.key_offsets = torch.zeros(keys, dtype=torch.int64, device=device)
+        self.key_slots = torch.full((keys,), -1, dtype=torch.int32, device=device)
         self.last_rows = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self._unused_table = torch.zeros(1, 1, dtype=torch.int32, device=device)
         self._unused_lens = torch.ones(1, dtype=torch.int32, device=device)
@@ -88,7 +87,7 @@ class PrefillGraphs:
         # On a GPU attention reads the device copies of the starts (varlen); on a CPU the host lists.
         length, keys = shape
         on_gpu = self.device.type == "cuda"
-        context = dict(kv_gather=(self.key_blocks[:keys], self.key_offsets[:keys]),
+        context = dict(key_slots=self.key_slots[:keys],
                        cu_kv_starts=self.key_starts if on_gpu else None, kv_starts=key_starts,
                        max_kv_len=keys) if keys else {}
         batch = AttentionBatch(self.kv_caches, self.slots[:length], self._unused_table, self._unused_lens,
@@ -137,15 +136,14 @@ class PrefillGraphs:
         if pad:
             starts.append(length)                          # the padding rows: a sequence of their own
         last = [s - 1 for s in starts[1:len(chunks) + 1]]
-        # ids | positions | slots | starts (| key starts | key blocks | key offsets): one copy
+        # ids | positions | slots | starts (| key starts | key slots): one copy
         parts = [ids, [0] * pad, positions, [0] * pad, slots, [-1] * pad, self._padded(starts)]
         key_starts = None
         if keys:
-            blocks, offsets, key_starts = key_rows(chunks, self.block_size)
+            key_slots, key_starts = key_rows(chunks, self.block_size)
             if pad:
-                key_starts.append(key_starts[-1] + pad)    # its keys: any rows, as many as its queries
-            spare = keys - len(blocks)
-            parts += [self._padded(key_starts), blocks, np.zeros(spare, np.int64), offsets, np.zeros(spare, np.int64)]
+                key_starts.append(key_starts[-1] + pad)    # its keys: rows of zeros, as many as its queries
+            parts += [self._padded(key_starts), key_slots, np.full(keys - len(key_slots), -1, np.int32)]
         host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int32) for p in parts]))
         rows = torch.tensor(last + [0] * (self.max_seqs - len(last)), dtype=torch.int64)
         if self.device.type == "cuda":
@@ -159,8 +157,7 @@ class PrefillGraphs:
         if keys:
             at = 3 * length + s
             self.key_starts.copy_(values[at:at + s])
-            self.key_blocks[:keys].copy_(values[at + s:at + s + keys])
-            self.key_offsets[:keys].copy_(values[at + s + keys:at + s + 2 * keys])
+            self.key_slots[:keys].copy_(values[at + s:at + s + keys])
         self.last_rows.copy_(rows, non_blocking=True)
         if shape in self.graphs:
             graph, logits = self.graphs[shape]

@@ -138,7 +138,7 @@ def test_window_refusals_and_the_default_workspace():
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("window", [None, 1, 7, 45, 1000])
 @pytest.mark.parametrize("contexts", [(0, 0, 0), (0, 37, 100)],
-                         ids=["whole prompts: varlen", "after a context: kv_gather"])
+                         ids=["whole prompts: varlen", "after a context: key_slots"])
 def test_gpu_prefill_honours_the_window(contexts, window, head_dim):
     """FlashAttention's varlen call with window_size_left = W - 1 (whole prompts, and chunks over
     key rows gathered from the cache) against a dense masked float64 softmax; the bound is twice
@@ -156,8 +156,7 @@ def test_gpu_prefill_honours_the_window(contexts, window, head_dim):
     starts = torch.tensor(batch.query_starts, dtype=torch.int32, device=DEVICE)
     batch.cu_query_starts, batch.max_query_len = starts, max(takes)
     if any(contexts):
-        blocks, offsets = gather["kv_gather"]
-        batch.kv_gather = (blocks.to(DEVICE), offsets.to(DEVICE))
+        batch.key_slots = gather["key_slots"].to(DEVICE)
         batch.cu_kv_starts = torch.tensor(gather["kv_starts"], dtype=torch.int32, device=DEVICE)
         batch.kv_starts, batch.max_kv_len = gather["kv_starts"], gather["max_kv_len"]
     varlen = prefill_attention(q, k, v, head_dim ** -0.5, batch, k_cache, v_cache, window=window)

@@ -1,0 +1,42 @@
+"""kernels.read_kv on the CPU (the reference the GPU kernel is held to): rows read back at their
+slots are the rows written there, fp8 caches read as code * scale, slot -1 reads zeros."""
+
+import pytest
+import torch
+
+import kernels
+from kernels.kv_quant import FP8, dequantize
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reads_back_what_write_kv_stored_and_zeros_for_slot_minus_one(dtype):
+    g = torch.Generator().manual_seed(3)
+    blocks, hkv, bs, d, tokens = 6, 2, 16, 8, 50
+    k_cache = torch.randn(blocks, hkv, bs, d, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, hkv, bs, d, generator=g).to(dtype)
+    key = torch.randn(tokens, hkv, d, generator=g).to(dtype)
+    value = torch.randn(tokens, hkv, d, generator=g).to(dtype)
+    slots = torch.randperm(blocks * bs, generator=g)[:tokens].int()
+    kernels.write_kv(k_cache, v_cache, key, value, slots)
+    read = slots.clone()
+    read[::4] = -1
+    k, v = kernels.read_kv(k_cache, v_cache, read, dtype)
+    kept = read >= 0
+    assert torch.equal(k[kept], key[kept]) and torch.equal(v[kept], value[kept])
+    assert not k[~kept].any() and not v[~kept].any()
+
+
+def test_fp8_rows_read_as_code_times_scale():
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 256, (2, 4, 2, 16, 8), dtype=torch.uint8, generator=g)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    k8, v8 = codes.view(FP8).unbind(0)
+    k_scale, v_scale = torch.tensor([0.5, 0.01]), torch.tensor([3.0, 0.2])
+    slots = torch.tensor([0, 17, 63, -1, 5], dtype=torch.int32)
+    k, v = kernels.read_kv(k8, v8, slots, torch.bfloat16, k_scale, v_scale)
+    blocks, rows = slots[:3].long() // 16, slots[:3].long() % 16
+    assert torch.equal(k[:3], dequantize(k8[blocks, :, rows], k_scale).to(torch.bfloat16))
+    assert torch.equal(v[:3], dequantize(v8[blocks, :, rows], v_scale).to(torch.bfloat16))
+    assert not k[3].any() and not v[3].any()
+    with pytest.raises(ValueError):
+        kernels.read_kv(k8, v8, slots, torch.bfloat16)                 # fp8 caches need their scales
