@@ -188,9 +188,26 @@ def make_loader(args, settings: Settings, channel=None):
     return load
 
 
+def http_stack() -> tuple[int, str]:
+    """The log level and line saying what uvicorn's "auto" runs on: httptools and uvloop (this
+    package's dependencies) where importable, else h11 and asyncio's own loop, which cost more per
+    request and per streamed event."""
+    import importlib.util
+    missing = [name for name in ("httptools", "uvloop") if importlib.util.find_spec(name) is None]
+    if missing:
+        fallbacks = {"httptools": "h11's parser", "uvloop": "asyncio's own event loop"}
+        return logging.WARNING, (f"{' and '.join(missing)} not installed: HTTP runs on "
+                                 f"{' and '.join(fallbacks[m] for m in missing)}, slower per request and "
+                                 "per streamed token")
+    return logging.INFO, "HTTP on httptools and uvloop"
+
+
 def serve(args, settings: Settings, channel=None, sockets=None) -> int:
     """Runs uvicorn with the app until it is told to stop; 1 if the model could not be loaded."""
     import uvicorn
+
+    if channel is None or channel.worker == 0:
+        log.log(*http_stack())
 
     from .app import create_app
     from .shutdown import DrainingServer, drain

@@ -72,7 +72,7 @@ start_server() {   # start_server CACHING FRACTION: a server on a free port, hea
     sleep 0.5
   done
   healthy || { echo "  the $caching server did not become healthy:"; tail -20 "$dir/server.log"; return 1; }
-  grep -E "prefix caching|captured prefill|KV pool" "$dir/server.log" | sed "s/^/  $caching: /" | cut -c1-220
+  grep -E "prefix caching|captured prefill|KV pool|HTTP on|not installed" "$dir/server.log" | sed "s/^/  $caching: /" | cut -c1-220
 }
 
 # Both servers run side by side (each with a share of the GPU's memory) and take turns level by
