@@ -32,7 +32,12 @@ class Prompt:
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    """The ids of ``text``. A fast tokenizer's backend encodes without character offsets (which the
+    server never reads: 15-20 % of a long prompt's encode) and without holding the GIL."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 async def encode_text(tokenizer, text: str) -> Prompt:
