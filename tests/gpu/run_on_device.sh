@@ -73,7 +73,7 @@ if want http; then
         --serve "--model random:smollm2-135m --device cuda --api-workers $workers" \
         --concurrency 1,16,64,256 --input-len 128 --output-len 256 --no-progress --workers ${LOADGEN_WORKERS:-8} \
         --engine-json "$engine_json" --out-dir "$OUT/http_w$workers" 2>&1 | tee "$OUT/http_w$workers.log" | tail -30
-    grep -E "tok/s|ready|captured" "$OUT/http_w$workers/server.log" | tail -40
+    grep -E "tok/s|ready|captured|HTTP on|not installed" "$OUT/http_w$workers/server.log" | tail -40
   done
 fi
 if want window; then
