@@ -192,8 +192,13 @@ def http_stack() -> tuple[int, str]:
     """The log level and line saying what uvicorn's "auto" runs on: httptools and uvloop (this
     package's dependencies) where importable, else h11 and asyncio's own loop, which cost more per
     request and per streamed event."""
-    import importlib.util
-    missing = [name for name in ("httptools", "uvloop") if importlib.util.find_spec(name) is None]
+    import importlib
+    missing = []
+    for name in ("httptools", "uvloop"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
     if missing:
         fallbacks = {"httptools": "h11's parser", "uvloop": "asyncio's own event loop"}
         return logging.WARNING, (f"{' and '.join(missing)} not installed: HTTP runs on "
