@@ -60,7 +60,8 @@ def write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=N
 
 def read_kv(k_cache, v_cache, slot_mapping, dtype, k_scale=None, v_scale=None):
     """The rows ``(key, value)``, each ``[K, Hkv, D]`` of ``dtype``, stored at ``slot_mapping [K]``
-    (int32); slot -1 reads as a row of zeros. float8_e4m3fn caches are read as ``code * scale``
+    (int32); slot -1 (and a slot past the pool, where ``write_kv`` writes nothing) reads as a row of
+    zeros. float8_e4m3fn caches are read as ``code * scale``
     (``kv_quant.dequantize``), other caches into their own dtype."""
     if k_cache.is_cuda:
         from . import ops

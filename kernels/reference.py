@@ -129,12 +129,15 @@ def split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, *, scal
 
 def reference_read_kv(k_cache, v_cache, slot_mapping, dtype, k_scale=None, v_scale=None):
     """The rows stored at ``slot_mapping [K]`` as ``(key, value)`` ``[K, Hkv, D]`` of ``dtype``;
-    slots < 0 read zeros. fp8 caches read as ``kv_quant.dequantize`` of the codes at the scales."""
+    slots < 0 (and past the pool, where ``write_kv`` writes nothing) read zeros. fp8 caches read
+    as ``kv_quant.dequantize`` of the codes at the scales, other caches into their own dtype."""
     fp8 = check_kv_scales(k_cache, k_scale, v_scale)
+    if not fp8 and dtype != k_cache.dtype:
+        raise ValueError(f"read_kv of a {k_cache.dtype} cache reads into {k_cache.dtype}, not {dtype}")
     block_size = k_cache.shape[2]
     slots = slot_mapping.long()
-    stored = slots >= 0
-    at = slots.clamp(min=0)
+    stored = (slots >= 0) & (slots < k_cache.shape[0] * block_size)
+    at = torch.where(stored, slots, 0)
     rows = []
     for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
         r = cache[at // block_size, :, at % block_size]

@@ -9,7 +9,7 @@ from kernels.kv_quant import FP8, dequantize
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reads_back_what_write_kv_stored_and_zeros_for_slot_minus_one(dtype):
+def test_reads_back_what_write_kv_stored_and_zeros_for_slot_minus_one_or_past_the_pool(dtype):
     g = torch.Generator().manual_seed(3)
     blocks, hkv, bs, d, tokens = 6, 2, 16, 8, 50
     k_cache = torch.randn(blocks, hkv, bs, d, generator=g).to(dtype)
@@ -20,8 +20,9 @@ def test_reads_back_what_write_kv_stored_and_zeros_for_slot_minus_one(dtype):
     kernels.write_kv(k_cache, v_cache, key, value, slots)
     read = slots.clone()
     read[::4] = -1
+    read[1] = blocks * bs                                          # past the pool
     k, v = kernels.read_kv(k_cache, v_cache, read, dtype)
-    kept = read >= 0
+    kept = (read >= 0) & (read < blocks * bs)
     assert torch.equal(k[kept], key[kept]) and torch.equal(v[kept], value[kept])
     assert not k[~kept].any() and not v[~kept].any()
 
@@ -40,3 +41,9 @@ def test_fp8_rows_read_as_code_times_scale():
     assert not k[3].any() and not v[3].any()
     with pytest.raises(ValueError):
         kernels.read_kv(k8, v8, slots, torch.bfloat16)                 # fp8 caches need their scales
+
+
+def test_a_16_bit_cache_reads_into_its_own_dtype_only():
+    cache = torch.zeros(2, 1, 16, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="torch.bfloat16 cache reads into torch.bfloat16, not torch.float32"):
+        kernels.read_kv(cache, cache, torch.zeros(1, dtype=torch.int32), torch.float32)
