@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one command, logs under $OUT and a short table last.
 #
 #   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench]
-#       [http] [prefix] [window] [arch-tests] [arch] [fp8]
+#       [http] [prefix] [prefix-engine] [window] [arch-tests] [arch] [fp8]
 #
 # arch-tests: the GPU tests of the small architectures' presets (fused and transformers' layers
 # against fp32) and of the layer ops they use. arch: load_tests.arch_bench over every preset
@@ -26,7 +26,7 @@ if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix window arch-tests arch fp8}
+stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix prefix-engine window arch-tests arch fp8}
 want() { [[ " $stages " == *" $1 "* ]]; }
 summary=()
 t0=$(date +%s)
@@ -64,6 +64,16 @@ if want prefix; then
   stamp "prefix caching on and off (tests/gpu/prefix_caching_bench.sh)"
   timeout "${PREFIX_TIMEOUT:-480}" bash tests/gpu/prefix_caching_bench.sh "$OUT/prefix" 2>&1 | tee "$OUT/prefix.log" | tail -40
   summary+=("prefix caching: see $OUT/prefix/summary.md")
+fi
+if want prefix-engine; then
+  # the engine alone with prefix caching's workload: B streams kept busy, caching on and off taking turns
+  for model in ${MODELS:-random:smollm2-135m random:llama-gqa128}; do
+    stamp "prefix caching, engine alone: $model"
+    timeout 220 python3 -m load_tests.engine_bench --device cuda --model "$model" --batch 1 16 64 --closed-loop 6 \
+        --shared-prefix 2048 --prompt-len 128 --new-tokens 256 --prefix-caching on off --repeats 3 --num-blocks 16000 \
+        --fill-pool --out "$OUT/prefix_engine_${model//[:\/]/_}.json" 2>&1 | grep "^|" | tee -a "$OUT/prefix_engine.md"
+  done
+  summary+=("prefix caching, engine alone: $OUT/prefix_engine.md")
 fi
 if want http; then
   engine_json=${ENGINE_JSON:-$OUT/engine_bench.json}
