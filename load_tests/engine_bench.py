@@ -62,32 +62,11 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_ours(core: EngineCore, prompts, new_tokens: int) -> float:
-    """Drives the engine core directly, as an offline batch job: no event loop in the way. The
-    tokens are made into text in the same thread, as the in-process server does."""
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    finished = []
-    output = OutputProcessor(core.tokenizer)
-
-    def publish(pairs, stats):
-        finished.extend(e for _, e in output.process(pairs)[0] if isinstance(e, FinishEvent))
-
-    core.publish = publish
-    started = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        output.add(f"bench-{i}", prompt, params)
-        core.add(f"bench-{i}", prompt, params, seed=i)
-    core.run_until_idle()
-    elapsed = time.perf_counter() - started
-    assert len(finished) == len(prompts) and all(e.completion_tokens == new_tokens for e in finished), finished[:3]
-    return elapsed
-
-
-def run_closed_loop(core: EngineCore, prompts, new_tokens: int, streams: int) -> tuple[float, list[float]]:
-    """``prompts`` served ``streams`` at a time, a new one starting as soon as one finishes (as a
-    server under ``streams`` clients that each send their next request when the last one ends).
-    Returns the wall time and every request's time to first token (arrival in the engine to its
-    first token), in seconds."""
+def _serve(core: EngineCore, prompts, new_tokens: int, streams: int) -> tuple[float, list]:
+    """Drives the engine core directly, as an offline job: no event loop in the way, the tokens
+    made into text in the same thread, as the in-process server does. ``prompts`` are served
+    ``streams`` at a time, the next one admitted as soon as one finishes; returns the wall time
+    and the finish events."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     finished = []
     output = OutputProcessor(core.tokenizer)
@@ -112,6 +91,20 @@ def run_closed_loop(core: EngineCore, prompts, new_tokens: int, streams: int) ->
     core.run_until_idle()
     elapsed = time.perf_counter() - started
     assert len(finished) == len(prompts) and all(e.completion_tokens == new_tokens for e in finished), finished[:3]
+    return elapsed, finished
+
+
+def run_ours(core: EngineCore, prompts, new_tokens: int) -> float:
+    """Every prompt submitted at once, as a batch job; the wall time."""
+    return _serve(core, prompts, new_tokens, len(prompts))[0]
+
+
+def run_closed_loop(core: EngineCore, prompts, new_tokens: int, streams: int) -> tuple[float, list[float]]:
+    """``prompts`` served ``streams`` at a time, a new one starting as soon as one finishes (as a
+    server under ``streams`` clients that each send their next request when the last one ends).
+    Returns the wall time and every request's time to first token (arrival in the engine to its
+    first token), in seconds."""
+    elapsed, finished = _serve(core, prompts, new_tokens, streams)
     return elapsed, [e.timings["ttft"] for e in finished]
 
 

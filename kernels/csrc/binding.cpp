@@ -25,6 +25,13 @@ void check_cuda(const at::Tensor& t, const char* name, const at::Device& device)
   TORCH_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device, ", got ", t.device());
 }
 
+// The caches a write or a read of rows takes: contiguous [num_blocks, Hkv, block_size, D], both alike.
+void check_cache_pair(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache must be contiguous [num_blocks, Hkv, block_size, D] of one shape and dtype");
+}
+
 // An fp8 cache's scales: k_scale and v_scale, both contiguous float32 [num_kv_heads] on the
 // caches' device; the caches of any other type take neither. Returns the caches' KV type.
 KvDType check_kv_scales(const at::Tensor& k_cache, const std::optional<at::Tensor>& k_scale,
@@ -136,9 +143,7 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key, c
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&v_cache, "v_cache"}, {&key, "key"}, {&value, "value"},
                          {&slot_mapping, "slot_mapping"}})
     check_cuda(*t, name, device);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "k_cache and v_cache must be contiguous [num_blocks, Hkv, block_size, D] of one shape and dtype");
+  check_cache_pair(k_cache, v_cache);
   const int64_t hkv = k_cache.size(1), bs = k_cache.size(2), d = k_cache.size(3);
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == hkv && key.size(2) == d,
               "key and value must be [T, Hkv, D] matching the cache");
@@ -193,9 +198,7 @@ std::tuple<at::Tensor, at::Tensor> read_kv(const at::Tensor& k_cache, const at::
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_cache, "k_cache"}, {&v_cache, "v_cache"},
                          {&slot_mapping, "slot_mapping"}})
     check_cuda(*t, name, device);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "k_cache and v_cache must be contiguous [num_blocks, Hkv, block_size, D] of one shape and dtype");
+  check_cache_pair(k_cache, v_cache);
   const KvDType kv_dtype = check_kv_scales(k_cache, k_scale, v_scale);
   const bool fp8 = kv_dtype == KvDType::kFp8E4m3;
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "read_kv reads into bfloat16 or float16, not ", dtype);

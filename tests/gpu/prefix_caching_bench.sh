@@ -39,7 +39,7 @@ else
   SERVER_CPUS=${SERVER_CPUS-} CLIENT_CPUS=${CLIENT_CPUS-}
 fi
 # the API workers the server's "auto" gives on the whole host (pinned, it would count half the CPUs)
-api_workers=$(( cpus / 4 < 1 ? 1 : (cpus / 4 > 4 ? 4 : cpus / 4) ))
+api_workers=$(python3 -c "from server.cli import resolve_api_workers; print(resolve_api_workers('auto', '$DEVICE', False))")
 pinned() { local cpus=$1; shift; if [ -n "$cpus" ]; then taskset -c "$cpus" "$@"; else "$@"; fi; }
 
 healthy() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; }
