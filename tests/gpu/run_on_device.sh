@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one command, logs under $OUT and a short table last.
 #
 #   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench]
-#       [http] [prefix] [prefix-engine] [window] [arch-tests] [arch] [fp8]
+#       [http] [prefix] [prefix-engine] [tokenize] [window] [arch-tests] [arch] [fp8]
 #
 # arch-tests: the GPU tests of the small architectures' presets (fused and transformers' layers
 # against fp32) and of the layer ops they use. arch: load_tests.arch_bench over every preset
@@ -26,7 +26,7 @@ if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix prefix-engine window arch-tests arch fp8}
+stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix prefix-engine tokenize window arch-tests arch fp8}
 want() { [[ " $stages " == *" $1 "* ]]; }
 summary=()
 t0=$(date +%s)
@@ -74,6 +74,11 @@ if want prefix-engine; then
         --fill-pool --out "$OUT/prefix_engine_${model//[:\/]/_}.json" 2>&1 | grep "^|" | tee -a "$OUT/prefix_engine.md"
   done
   summary+=("prefix caching, engine alone: $OUT/prefix_engine.md")
+fi
+if want tokenize; then
+  stamp "prompt encoding: whole against pieces (load_tests.tokenize_bench)"
+  timeout 120 python3 -m load_tests.tokenize_bench --tokens 128 2176 --callers 1 4 16 2>&1 | tee "$OUT/tokenize.md"
+  summary+=("prompt encoding: $OUT/tokenize.md")
 fi
 if want http; then
   engine_json=${ENGINE_JSON:-$OUT/engine_bench.json}
