@@ -78,7 +78,8 @@ async def send_request(client: httpx.AsyncClient, backend: Backend, url: str, pr
     t0 = time.perf_counter()
     result.start = t0 - t_level
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
+        sent = {**headers, "X-Request-Start": f"t={time.time():.6f}"}    # the server logs the way in
+        async with client.stream("POST", url, json=body, headers=sent) as resp:
             result.status = resp.status_code
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode("utf-8", "replace").strip()

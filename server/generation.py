@@ -6,7 +6,7 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from fastapi import Request
@@ -30,12 +30,13 @@ class Prompt:
     ids: list[int]
     text: str                      # what was tokenized (the rendered chat for chat requests)
     tokenize_s: float = 0.0
+    tokenize_started: float = field(default_factory=time.time)   # epoch seconds
 
 
 async def encode_text(tokenizer, text: str) -> Prompt:
-    started = time.perf_counter()
+    started, started_epoch = time.perf_counter(), time.time()
     ids = await run_in_threadpool(prompt_encoder(tokenizer).encode, text, True)
-    return Prompt(ids, text, time.perf_counter() - started)
+    return Prompt(ids, text, time.perf_counter() - started, started_epoch)
 
 
 def _render_chat(tokenizer, messages: list[dict]) -> str:
@@ -43,7 +44,7 @@ def _render_chat(tokenizer, messages: list[dict]) -> str:
 
 
 async def encode_chat(tokenizer, messages: list[dict]) -> Prompt:
-    started = time.perf_counter()
+    started, started_epoch = time.perf_counter(), time.time()
     try:
         text = await run_in_threadpool(_render_chat, tokenizer, messages)
     except Exception as exc:       # jinja raises on conversations its template refuses
@@ -51,7 +52,7 @@ async def encode_chat(tokenizer, messages: list[dict]) -> Prompt:
                        param="messages") from exc
     # The template already wrote any special tokens it wants.
     ids = await run_in_threadpool(prompt_encoder(tokenizer).encode, text, False)
-    return Prompt(ids, text, time.perf_counter() - started)
+    return Prompt(ids, text, time.perf_counter() - started, started_epoch)
 
 
 async def decode_ids(tokenizer, ids: list[int]) -> str:
@@ -116,12 +117,13 @@ class Generation:
     """One admitted request's events. Iterate it; call ``close()`` when done (idempotent)."""
 
     def __init__(self, services: Services, engine, stream, *, request_id: str, endpoint: str,
-                 prompt: Prompt, params: SamplingParams, streaming: bool):
+                 prompt: Prompt, params: SamplingParams, streaming: bool, request_start: float | None = None):
         self.services = services
         self.engine = engine
         self.stream = stream
         self.engine_request_id = stream.request_id
         self.request_id = request_id
+        self.request_start = request_start           # the client's X-Request-Start, epoch seconds
         self.endpoint = endpoint
         self.prompt = prompt
         self.params = params
@@ -224,6 +226,9 @@ class Generation:
             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "max_new_tokens": self.params.max_new_tokens, "greedy": self.params.greedy,
             "tokenize_s": round(self.prompt.tokenize_s, 6),
+            # the client's send to the start of tokenizing: the HTTP path in (and the clocks' skew)
+            **({"request_to_tokenize_s": round(self.prompt.tokenize_started - self.request_start, 6)}
+               if self.request_start is not None else {}),
             **{k: round(v, 6) for k, v in (("first_token_s", self.first_token_s),
                                            ("first_token_delivery_s", self.first_token_delivery_s)) if v is not None},
             **{f"{k}_s": round(v, 6) for k, v in timings.items() if v is not None},
@@ -259,7 +264,8 @@ def submit(services: Services, engine, request: Request, prompt: Prompt, params:
         metrics.rejected.labels(reason="invalid").inc()
         raise ApiError(400, str(exc)) from exc
     return Generation(services, engine, stream, request_id=request.state.request_id,
-                      endpoint=endpoint, prompt=prompt, params=params, streaming=streaming)
+                      endpoint=endpoint, prompt=prompt, params=params, streaming=streaming,
+                      request_start=getattr(request.state, "request_start", None))
 
 
 def plan_max_new_tokens(services: Services, engine, prompt: Prompt, requested: int | None,

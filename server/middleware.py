@@ -2,6 +2,7 @@
 
 import hmac
 import logging
+import math
 import re
 import time
 import uuid
@@ -17,12 +18,23 @@ access_log = logging.getLogger("server.access")
 error_log = logging.getLogger("server.errors")
 
 REQUEST_ID_HEADER = "x-request-id"
+# When the client (or a proxy in front) sent the request, as nginx writes it: "t=<epoch seconds>".
+REQUEST_START_HEADER = "x-request-start"
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 QUIET_PATHS = frozenset({"/health", "/metrics"})     # probes and scrapes: access-logged at debug
 
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def request_start(value: str) -> float | None:
+    """The epoch seconds of an ``X-Request-Start: t=<seconds>`` header; None if absent or not that."""
+    try:
+        start = float(value.removeprefix("t="))
+    except ValueError:
+        return None
+    return start if math.isfinite(start) and start > 0 else None
 
 
 class RequestContextMiddleware:
@@ -37,9 +49,12 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        supplied = Headers(scope=scope).get(REQUEST_ID_HEADER, "")
+        headers = Headers(scope=scope)
+        supplied = headers.get(REQUEST_ID_HEADER, "")
         request_id = supplied if _VALID_REQUEST_ID.match(supplied) else new_request_id()
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["request_start"] = request_start(headers.get(REQUEST_START_HEADER, ""))
         started = time.perf_counter()
         status = 500
         sent_start = False

@@ -449,6 +449,20 @@ def test_generation_log_has_timings_and_prompt_only_in_debug(caplog, log_prompts
     assert {"queue_s", "ttft_s", "total_s", "tokenize_s", "prompt_tokens", "completion_tokens"} <= set(fields)
     assert ("prompt" in fields) == log_prompts
     assert ("secret prompt" in json.dumps(fields)) == log_prompts
+    assert "request_to_tokenize_s" not in fields
+
+
+@pytest.mark.parametrize("header, logged", [("t={}", True), ("{}", True), ("t=soon", False), ("t=nan", False)])
+def test_x_request_start_times_the_way_in(caplog, header, logged):
+    caplog.set_level("INFO", logger="server.generation")
+    sent = time.time() - 0.25
+    with client_for() as client:
+        client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}},
+                    headers={"X-Request-Start": header.format(sent)})
+    [record] = [r for r in caplog.records if r.name == "server.generation"]
+    way_in = record.fields.get("request_to_tokenize_s")
+    assert (way_in is not None) == logged
+    assert way_in is None or 0.25 <= way_in < 5
 
 
 def test_json_log_lines():

@@ -176,8 +176,9 @@ for model_dir in models:
 
 
 def server_side(folder, name):
-    """Medians of the server's own per-request timings over every round, in ms: tokenisation,
-    admission to first token, engine queue, engine TTFT, delivery."""
+    """Medians of the server's own per-request timings over every round, in ms: the way in (the
+    client's send to tokenising), tokenisation, admission to first token, engine queue, engine TTFT,
+    delivery."""
     reqs = []
     for path in folder.glob(f"{name}.r*.requests.jsonl"):
         try:
@@ -187,21 +188,23 @@ def server_side(folder, name):
     if not reqs:
         return None, 0
     return [1e3 * statistics.median(r.get(key) or 0.0 for r in reqs)
-            for key in ("tokenize_s", "first_token_s", "queue_s", "ttft_s", "first_token_delivery_s")], len(reqs)
+            for key in ("request_to_tokenize_s", "tokenize_s", "first_token_s", "queue_s", "ttft_s",
+                        "first_token_delivery_s")], len(reqs)
 
 
 rows += ["", "Where TTFT goes at 1 and 16 streams with the shared prefix (ms; the client's TTFT: the median of the "
-         "rounds' p50; the rest: medians over every round's requests, from the server's request log): in the API "
+         "rounds' p50; the rest: medians over every round's requests, from the server's request log): the way in "
+         "(the client's X-Request-Start to tokenising: HTTP, parsing, validation); in the API "
          "worker, tokenisation and admission to the first token; in the engine, the queue and its TTFT (arrival "
          "in the engine to its first token); the first token's trip from the engine to the API worker", "",
-         "| model | streams | caching | client TTFT | tokenize | API: admitted to 1st token | engine queue | "
-         "engine TTFT | delivery | requests |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+         "| model | streams | caching | client TTFT | way in | tokenize | API: admitted to 1st token | engine queue | "
+         "engine TTFT | delivery | requests |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 for model_dir in models:
     for name, streams in (("shared_c1", 1), ("shared16", 16)):
         for caching in ("on", "off"):
             ttft = median_of(model_dir, caching, name, streams, "ttft")
             parts, count = server_side(model_dir / caching, name)
-            cells = ["-" if ttft is None else f"{ttft:.1f}"] + ([f"{v:.1f}" for v in parts] if parts else ["-"] * 5)
+            cells = ["-" if ttft is None else f"{ttft:.1f}"] + ([f"{v:.1f}" for v in parts] if parts else ["-"] * 6)
             rows.append(f"| {model_dir.name} | {streams} | {caching} | " + " | ".join(cells) + f" | {count} |")
 table = "\n".join(rows)
 (out / "summary.md").write_text(table + "\n")
