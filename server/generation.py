@@ -33,9 +33,13 @@ class Prompt:
     tokenize_started: float = field(default_factory=time.time)   # epoch seconds
 
 
-async def encode_text(tokenizer, text: str) -> Prompt:
+def _encoder(engine):
+    return prompt_encoder(engine.tokenizer, engine.config.prefix_caching)
+
+
+async def encode_text(engine, text: str) -> Prompt:
     started, started_epoch = time.perf_counter(), time.time()
-    ids = await run_in_threadpool(prompt_encoder(tokenizer).encode, text, True)
+    ids = await run_in_threadpool(_encoder(engine).encode, text, True)
     return Prompt(ids, text, time.perf_counter() - started, started_epoch)
 
 
@@ -43,15 +47,15 @@ def _render_chat(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-async def encode_chat(tokenizer, messages: list[dict]) -> Prompt:
+async def encode_chat(engine, messages: list[dict]) -> Prompt:
     started, started_epoch = time.perf_counter(), time.time()
     try:
-        text = await run_in_threadpool(_render_chat, tokenizer, messages)
+        text = await run_in_threadpool(_render_chat, engine.tokenizer, messages)
     except Exception as exc:       # jinja raises on conversations its template refuses
         raise ApiError(400, f"messages do not fit the model's chat template: {exc}",
                        param="messages") from exc
     # The template already wrote any special tokens it wants.
-    ids = await run_in_threadpool(prompt_encoder(tokenizer).encode, text, False)
+    ids = await run_in_threadpool(_encoder(engine).encode, text, False)
     return Prompt(ids, text, time.perf_counter() - started, started_epoch)
 
 

@@ -169,7 +169,7 @@ async def completions(body: CompletionRequest, request: Request, engine=Depends(
     check_model(body.model, engine, services)
     warn_ignored(body, request)
     if isinstance(body.prompt, str):
-        prompt = await encode_text(engine.tokenizer, body.prompt)
+        prompt = await encode_text(engine, body.prompt)
     else:
         check_token_ids(body.prompt, len(engine.tokenizer))
         prompt = Prompt(list(body.prompt), await decode_ids(engine.tokenizer, body.prompt))
@@ -215,7 +215,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
                            services: Services = Depends(get_services)) -> Response:
     check_model(body.model, engine, services)
     warn_ignored(body, request)
-    prompt = await encode_chat(engine.tokenizer, chat_template_messages(body.messages))
+    prompt = await encode_chat(engine, chat_template_messages(body.messages))
     max_new = plan_max_new_tokens(services, engine, prompt, body.token_limit(),
                                   services.settings.default_max_new_tokens, "max_completion_tokens")
     gen = submit(services, engine, request, prompt, openai_sampling(engine, body, max_new, body.logprobs),

@@ -52,9 +52,9 @@ def token_json(event: TokenEvent) -> dict:
 
 async def build_prompt(body: GenerateRequest, engine) -> Prompt:
     if body.messages is not None:
-        prompt = await encode_chat(engine.tokenizer, chat_template_messages(body.messages))
+        prompt = await encode_chat(engine, chat_template_messages(body.messages))
     else:
-        prompt = await encode_text(engine.tokenizer, body.inputs)
+        prompt = await encode_text(engine, body.inputs)
     truncate = body.parameters.truncate
     if truncate is not None and len(prompt.ids) > truncate:
         prompt.ids = prompt.ids[-truncate:]

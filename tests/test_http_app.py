@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from server.app import create_app
+from server.engine.config import EngineConfig
 from server.engine.errors import QueueFullError
 from server.engine.params import FinishEvent, SamplingParams, TokenEvent
 from server.settings import Settings
@@ -58,6 +59,7 @@ class FakeEngine:
 
     def __init__(self, max_model_len=64, mode="ok", token_delay=0.0):
         self.tokenizer = CharTokenizer()
+        self.config = EngineConfig()
         self.max_model_len = max_model_len
         self.model_name = "fake-model"
         self.ready = False

@@ -1,14 +1,14 @@
 """The server's prompt encoding: the ids transformers' ``encode`` gives, whether the prompt is
-encoded whole or in pieces."""
+encoded whole, in pieces, or after the kept ids of an earlier prompt's start."""
 
 import random
 
 import pytest
-from tokenizers import normalizers, pre_tokenizers
+from tokenizers import normalizers, pre_tokenizers, processors
 
 from load_tests.prompts import CORPUS
 from models import load_tokenizer
-from server.encoding import PromptEncoder, cut_points
+from server.encoding import PromptEncoder, cut_points, marks
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +81,89 @@ def test_a_tokenizer_that_may_split_elsewhere_encodes_whole(change):
     text = CORPUS[:3000]
     assert not encoder.splittable and encoder.pieces(text) == [text]
     assert encoder.encode(text, True) == tokenizer.encode(text)
+
+
+def test_texts_that_start_alike_share_their_marks_inside_the_common_start():
+    rng = random.Random(5)
+    for _ in range(200):
+        common = "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(0, 300)))
+        a = common + "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(0, 100)))
+        b = common + "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(0, 100)))
+        inside = [m for m in marks(a, 0, 16) if m < len(common)]
+        assert inside == [m for m in marks(b, 0, 16) if m < len(common)]
+        for start in inside:                 # resuming at a mark finds the same later marks
+            assert marks(a, start, 16) == [m for m in marks(a, 0, 16) if m > start]
+
+
+def prompts_sharing_starts(rng, count):
+    """Prompts that start with part of one of the last few (or all of it), then go their own way."""
+    words = CORPUS.split()
+    made = []
+    for _ in range(count):
+        if made and rng.random() < 0.8:
+            earlier = rng.choice(made[-8:])
+            cut = rng.randrange(len(earlier) + 1)
+            own = " ".join(rng.choice(words) for _ in range(rng.randrange(0, 40)))
+            tail = "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(0, 20)))
+            made.append(earlier[:cut] + rng.choice(["", " ", "\n"]) + own + tail)
+        else:
+            start = rng.randrange(len(words))
+            made.append(" ".join(words[start:start + rng.randrange(1, 300)]))
+    return made
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_prompts_that_start_as_kept_ones_did_encode_as_transformers_does(tokenizer, add_special_tokens):
+    encoder = PromptEncoder(tokenizer, cached_prompts=6, mark_chars=32)
+    prompts = prompts_sharing_starts(random.Random(7), 300)
+    for text in prompts:
+        assert encoder.encode(text, add_special_tokens) == \
+            tokenizer.encode(text, add_special_tokens=add_special_tokens), repr(text[:60])
+        assert len(encoder.prefixes) <= 6
+    encoder.prefixes.check()
+    kept = encoder.prefixes
+    assert kept.hit_chars > kept.query_chars / 4, (kept.hit_chars, kept.query_chars)
+
+
+def test_the_same_prompt_twice_encodes_only_past_its_last_mark(tokenizer):
+    encoder = PromptEncoder(tokenizer, cached_prompts=4, mark_chars=512)
+    text = CORPUS[:6000]
+    first = encoder.encode(text, True)
+    assert encoder.prefixes.hit_chars == 0
+    assert encoder.encode(text, True) == first == tokenizer.encode(text)
+    assert encoder.prefixes.hit_chars == marks(text)[-1] > len(text) - 600
+
+
+def test_a_prompt_kept_again_and_dropped_leaves_no_index_entry(tokenizer):
+    encoder = PromptEncoder(tokenizer, cached_prompts=2, mark_chars=64)
+    texts = [CORPUS[i * 700:i * 700 + 1400] for i in range(5)]
+    for text in texts[:1] * 3 + texts[1:] + texts[:1]:
+        copy = "".join(list(text))                  # an equal text, another object
+        assert encoder.encode(copy, True) == tokenizer.encode(text)
+        encoder.prefixes.check()
+
+
+def test_a_growing_conversation_reuses_the_turns_before(tokenizer):
+    encoder = PromptEncoder(tokenizer, cached_prompts=4, mark_chars=64)
+    rng = random.Random(3)
+    messages = [{"role": "system", "content": CORPUS[:1500]}]
+    previous = ""
+    for turn in range(6):
+        messages.append({"role": "user", "content": CORPUS[rng.randrange(3000):][:400]})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        before = encoder.prefixes.hit_chars
+        assert encoder.encode(text, False) == tokenizer.encode(text, add_special_tokens=False)
+        assert text.startswith(previous) and encoder.prefixes.hit_chars - before > len(previous) - 200
+        previous = text[:-len("<|im_start|>assistant\n")]
+        messages.append({"role": "assistant", "content": CORPUS[rng.randrange(3000):][:200]})
+
+
+def test_ids_are_not_kept_where_encoding_adds_special_tokens():
+    tokenizer = load_tokenizer("default")
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    encoder = PromptEncoder(tokenizer, cached_prompts=4)
+    assert encoder.splittable and encoder.prefixes is None
+    text = CORPUS[:3000]
+    assert encoder.encode(text, True)[0] == 0
+    assert encoder.encode(text, True) == tokenizer.backend_tokenizer.encode(text).ids
