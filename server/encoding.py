@@ -20,6 +20,7 @@ space after a letter or digit starts a match whatever precedes it. Every other t
 the text whole.
 """
 
+import contextlib
 import functools
 import os
 import re
@@ -71,44 +72,58 @@ def marks(text: str, start: int = 0, spacing: int = MARK_CHARS) -> list[int]:
     return points
 
 
+def chained_keys(text: str, text_marks: list[int]) -> list[int]:
+    """A key for the text up to each mark, each from the one before and the text between them:
+    texts that start alike get the same keys for their common marks, in one pass over the text."""
+    keys, key, previous = [], 0, 0
+    for mark in text_marks:
+        key = hash((key, text[previous:mark]))
+        keys.append(key)
+        previous = mark
+    return keys
+
+
 class PrefixIds:
-    """The ids of recent prompts (least recently used dropped first), at each of their marks, and
-    which prompt holds the ids of a given text up to a given mark."""
+    """The ids of recent prompts (least recently used dropped first) before each of their marks,
+    found by the key of the text up to a mark; a hit is checked against the kept text itself."""
 
     def __init__(self, capacity: int = CACHED_PROMPTS):
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._prompts: OrderedDict[str, tuple[array, dict[int, int]]] = OrderedDict()   # text -> (ids, mark -> ids before)
-        self._holder: dict[tuple[int, int], str] = {}        # (mark, hash of the text up to it) -> prompt
+        # text -> (its ids, mark -> ids before it, mark -> key)
+        self._prompts: OrderedDict[str, tuple[array, dict[int, int], dict[int, int]]] = OrderedDict()
+        self._holder: dict[int, str] = {}                    # key -> the kept prompt holding it
         self.query_chars = self.hit_chars = 0
 
-    def longest(self, text: str, text_marks: list[int]) -> tuple[int, array, dict[int, int]]:
-        """(m, the ids of text[:m], the ids before each of its marks) for the last of ``text_marks``
-        whose text a kept prompt starts with; (0, no ids, {}) if none does."""
+    def longest(self, text: str, text_marks: list[int], keys: list[int]) -> tuple[int, array, dict, dict]:
+        """For the last of ``text_marks`` up to which a kept prompt has the same text: that mark, the
+        ids before it, and the ids before and the keys of each mark up to it (0, no ids, {}, {} if
+        none)."""
         with self._lock:
             self.query_chars += len(text)
-            for mark in reversed(text_marks):
-                prompt = self._holder.get((mark, hash(text[:mark])))
+            for mark, key in zip(reversed(text_marks), reversed(keys)):
+                prompt = self._holder.get(key)
                 if prompt is not None and prompt[:mark] == text[:mark]:
-                    ids, counts = self._prompts[prompt]
+                    ids, counts, prompt_keys = self._prompts[prompt]
                     self._prompts.move_to_end(prompt)
                     self.hit_chars += mark
-                    return mark, ids[:counts[mark]], {m: n for m, n in counts.items() if m <= mark}
-        return 0, array("i"), {}
+                    return (mark, ids[:counts[mark]], {m: n for m, n in counts.items() if m <= mark},
+                            {m: k for m, k in prompt_keys.items() if m <= mark})
+        return 0, array("i"), {}, {}
 
-    def add(self, text: str, ids: array, counts: dict[int, int]) -> None:
-        """Keeps ``text``'s ``ids``; ``counts`` maps each of its marks to the ids before it."""
+    def add(self, text: str, ids: array, counts: dict[int, int], keys: dict[int, int]) -> None:
+        """Keeps ``text``'s ``ids``; ``counts`` maps marks of it to the ids before them, ``keys``
+        those marks to their keys."""
         if not counts:
             return
         with self._lock:
-            self._prompts[text] = (ids, counts)
+            self._prompts[text] = (ids, counts, keys)
             self._prompts.move_to_end(text)
-            for mark in counts:
-                self._holder[(mark, hash(text[:mark]))] = text
+            for key in keys.values():
+                self._holder[key] = text
             while len(self._prompts) > self.capacity:
-                old, (_, old_counts) = self._prompts.popitem(last=False)
-                for mark in old_counts:
-                    key = (mark, hash(old[:mark]))
+                old, (_, _, old_keys) = self._prompts.popitem(last=False)
+                for key in old_keys.values():
                     if self._holder.get(key) == old:
                         del self._holder[key]
 
@@ -116,10 +131,10 @@ class PrefixIds:
         return len(self._prompts)
 
     def check(self) -> None:
-        """Raises AssertionError unless every index entry names a kept prompt that has that mark."""
+        """Raises AssertionError unless every key names a kept prompt that holds it."""
         with self._lock:
-            for (mark, _), prompt in self._holder.items():
-                assert prompt in self._prompts and mark in self._prompts[prompt][1]
+            for key, prompt in self._holder.items():
+                assert prompt in self._prompts and key in self._prompts[prompt][2].values()
 
 
 class PromptEncoder:
@@ -147,34 +162,47 @@ class PromptEncoder:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         if self.prefixes is not None:
             return self._encode_after_kept_prefix(text)
-        with self._lock:
-            alone = self._in_flight == 0
-            self._in_flight += 1
-        try:
-            # Beside other encodes the cores are taken: pieces would only add their overhead.
+        with self._turn() as alone:
             pieces = self.pieces(text) if alone else [text]
             if len(pieces) == 1:
                 return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
             parts = self.backend.encode_batch_fast(pieces, add_special_tokens=False)
-            whole = Encoding.merge(parts, growing_offsets=False)
-            return self.backend.post_process(whole, add_special_tokens=add_special_tokens).ids
+        whole = Encoding.merge(parts, growing_offsets=False)
+        return self.backend.post_process(whole, add_special_tokens=add_special_tokens).ids
+
+    @contextlib.contextmanager
+    def _turn(self):
+        """Whether no other encode runs in this process: beside others the cores are taken, and
+        pieces would only add their overhead."""
+        with self._lock:
+            alone = self._in_flight == 0
+            self._in_flight += 1
+        try:
+            yield alone
         finally:
             with self._lock:
                 self._in_flight -= 1
 
     def _encode_after_kept_prefix(self, text: str) -> list[int]:
         text_marks = marks(text, 0, self.mark_chars)
-        start, ids, counts = self.prefixes.longest(text, text_marks)
-        bounds = [start, *(m for m in text_marks if m > start), len(text)]
-        parts = self.backend.encode_batch_fast([text[a:b] for a, b in zip(bounds, bounds[1:])],
-                                               add_special_tokens=False)
-        for mark, part in zip(bounds[1:], parts):
+        if len(text_marks) < 2:                      # a short text: keeping it would cost more than it saves
+            return self.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        keys = chained_keys(text, text_marks)
+        start, ids, counts, kept_keys = self.prefixes.longest(text, text_marks, keys)
+        after = [m for m in text_marks if m > start]
+        with self._turn() as alone:
+            cuts = after if alone else after[-1:]     # the last mark alone still finds the whole text again
+            bounds = [start, *cuts, len(text)]
+            parts = self.backend.encode_batch_fast([text[a:b] for a, b in zip(bounds, bounds[1:])],
+                                                   add_special_tokens=False)
+        key_of = dict(zip(text_marks, keys))
+        for mark, part in zip(cuts, parts):
             ids.extend(part.ids)
             counts[mark] = len(ids)
-        del counts[len(text)]
-        self.prefixes.add(text, ids, counts)
+            kept_keys[mark] = key_of[mark]
+        ids.extend(parts[-1].ids)
+        self.prefixes.add(text, ids, counts, kept_keys)
         return ids.tolist()
-
 
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
