@@ -158,10 +158,17 @@ class PromptEncoder:
         return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.encode_counted(text, add_special_tokens)[0]
+
+    def encode_counted(self, text: str, add_special_tokens: bool) -> tuple[list[int], int]:
+        """The ids of ``text``, and how many of its characters a kept prompt's ids served."""
         if self.backend is None:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)), 0
         if self.prefixes is not None:
             return self._encode_after_kept_prefix(text)
+        return self._encode_fresh(text, add_special_tokens), 0
+
+    def _encode_fresh(self, text: str, add_special_tokens: bool) -> list[int]:
         with self._turn() as alone:
             pieces = self.pieces(text) if alone else [text]
             if len(pieces) == 1:
@@ -183,10 +190,10 @@ class PromptEncoder:
             with self._lock:
                 self._in_flight -= 1
 
-    def _encode_after_kept_prefix(self, text: str) -> list[int]:
+    def _encode_after_kept_prefix(self, text: str) -> tuple[list[int], int]:
         text_marks = marks(text, 0, self.mark_chars)
         if len(text_marks) < 2:                      # a short text: keeping it would cost more than it saves
-            return self.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
+            return self.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids, 0
         keys = chained_keys(text, text_marks)
         start, ids, counts, kept_keys = self.prefixes.longest(text, text_marks, keys)
         after = [m for m in text_marks if m > start]
@@ -202,7 +209,7 @@ class PromptEncoder:
             kept_keys[mark] = key_of[mark]
         ids.extend(parts[-1].ids)
         self.prefixes.add(text, ids, counts, kept_keys)
-        return ids.tolist()
+        return ids.tolist(), start
 
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

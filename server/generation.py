@@ -31,6 +31,7 @@ class Prompt:
     text: str                      # what was tokenized (the rendered chat for chat requests)
     tokenize_s: float = 0.0
     tokenize_started: float = field(default_factory=time.time)   # epoch seconds
+    reused_chars: int = 0          # characters whose ids a kept prompt served (server/encoding.py)
 
 
 def _encoder(engine):
@@ -39,8 +40,8 @@ def _encoder(engine):
 
 async def encode_text(engine, text: str) -> Prompt:
     started, started_epoch = time.perf_counter(), time.time()
-    ids = await run_in_threadpool(_encoder(engine).encode, text, True)
-    return Prompt(ids, text, time.perf_counter() - started, started_epoch)
+    ids, reused = await run_in_threadpool(_encoder(engine).encode_counted, text, True)
+    return Prompt(ids, text, time.perf_counter() - started, started_epoch, reused)
 
 
 def _render_chat(tokenizer, messages: list[dict]) -> str:
@@ -55,8 +56,8 @@ async def encode_chat(engine, messages: list[dict]) -> Prompt:
         raise ApiError(400, f"messages do not fit the model's chat template: {exc}",
                        param="messages") from exc
     # The template already wrote any special tokens it wants.
-    ids = await run_in_threadpool(_encoder(engine).encode, text, False)
-    return Prompt(ids, text, time.perf_counter() - started, started_epoch)
+    ids, reused = await run_in_threadpool(_encoder(engine).encode_counted, text, False)
+    return Prompt(ids, text, time.perf_counter() - started, started_epoch, reused)
 
 
 async def decode_ids(tokenizer, ids: list[int]) -> str:
@@ -217,6 +218,8 @@ class Generation:
         metrics = self.services.metrics
         metrics.finished.labels(reason=reason).inc()
         metrics.prompt_tokens.inc(prompt_tokens)
+        metrics.prompt_chars.inc(len(self.prompt.text))
+        metrics.prompt_chars_reused.inc(self.prompt.reused_chars)
         metrics.generation_tokens.inc(completion_tokens)
         if timings.get("queue") is not None:
             metrics.queue.observe(timings["queue"])
@@ -229,7 +232,7 @@ class Generation:
             "endpoint": self.endpoint, "stream": self.streaming, "finish_reason": reason,
             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "max_new_tokens": self.params.max_new_tokens, "greedy": self.params.greedy,
-            "tokenize_s": round(self.prompt.tokenize_s, 6),
+            "tokenize_s": round(self.prompt.tokenize_s, 6), "tokenize_reused_chars": self.prompt.reused_chars,
             # the client's send to the start of tokenizing: the HTTP path in (and the clocks' skew)
             **({"request_to_tokenize_s": round(self.prompt.tokenize_started - self.request_start, 6)}
                if self.request_start is not None else {}),

@@ -80,6 +80,12 @@ class Metrics:
                                buckets=QUEUE_BUCKETS, registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=r)
+        self.prompt_chars = Counter(f"{PREFIX}_prompt_chars", "Characters of finished requests' prompts.",
+                                    registry=r)
+        self.prompt_chars_reused = Counter(
+            f"{PREFIX}_prompt_chars_reused",
+            "Prompt characters not encoded again: a kept prompt with the same start gave their token ids "
+            "(prefix caching).", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.",
                                          registry=r)
         self.finished = Counter(f"{PREFIX}_requests_finished", "Finished requests by finish reason.",

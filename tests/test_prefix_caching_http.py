@@ -39,3 +39,7 @@ def test_a_repeated_prompt_reports_cached_tokens_everywhere(live_server, model_n
         assert queries >= first["prompt_tokens"] + second["prompt_tokens"]
         assert hits >= 2 * cached
         assert 0 < metric(after, "llm_kv_cache_cached_ratio") <= 1
+        # the prompts' shared start was encoded once: the later two took its ids from the first
+        chars = metric(after, "llm_prompt_chars_total") - metric(before, "llm_prompt_chars_total")
+        reused = metric(after, "llm_prompt_chars_reused_total") - metric(before, "llm_prompt_chars_reused_total")
+        assert chars >= 3 * len(SYSTEM) and 2 * (len(SYSTEM) - 600) < reused < 2 * len(SYSTEM)

@@ -9,7 +9,7 @@ from tokenizers import normalizers, pre_tokenizers, processors
 
 from load_tests.prompts import CORPUS
 from models import load_tokenizer
-from server.encoding import PromptEncoder, cut_points, marks
+from server.encoding import PromptEncoder, cut_points, marks, prompt_encoder
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +181,14 @@ def test_ids_are_not_kept_where_encoding_adds_special_tokens():
     text = CORPUS[:3000]
     assert encoder.encode(text, True)[0] == 0
     assert encoder.encode(text, True) == tokenizer.backend_tokenizer.encode(text).ids
+
+
+def test_the_server_keeps_prompt_ids_only_with_prefix_caching(tokenizer):
+    assert prompt_encoder(tokenizer, True).prefixes is not None
+    assert prompt_encoder(tokenizer, False).prefixes is None
+    text = CORPUS[:4000]
+    for caching in (True, False):
+        encoder = prompt_encoder(tokenizer, caching)
+        encoder.encode_counted(text, True)
+        ids, reused = encoder.encode_counted(text, True)
+        assert ids == tokenizer.encode(text) and (reused > 3000) == caching
