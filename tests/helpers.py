@@ -11,7 +11,9 @@ def chat_ids(tokenizer, question: str) -> list[int]:
     return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
-async def collect(engine: Engine, prompt_ids, params: SamplingParams, abort_after: int | None = None):
+async def collect(engine: Engine, prompt_ids, params: SamplingParams, abort_after: int | None = None,
+                  logprobs: list | None = None):
+    """(tokens, text, finish event); each token's log-probability goes into ``logprobs`` if given."""
     stream = engine.add_request(list(prompt_ids), params)
     tokens, texts = [], []
     async for event in stream:
@@ -19,25 +21,31 @@ async def collect(engine: Engine, prompt_ids, params: SamplingParams, abort_afte
             return tokens, "".join(texts), event
         tokens.append(event.token_id)
         texts.append(event.text)
+        if logprobs is not None:
+            logprobs.append(event.logprob)
         if abort_after is not None and len(tokens) == abort_after:
             stream.abort()
 
 
 def run_all(engine: Engine, requests):
-    """requests: [(prompt_ids, params)] or [(prompt_ids, params, abort_after)], served together."""
+    """requests: [(prompt_ids, params)], [(prompt_ids, params, abort_after)] or
+    [(prompt_ids, params, abort_after, logprobs list)], served together."""
     async def main():
         return await asyncio.gather(*(collect(engine, *r) for r in requests))
     return asyncio.run(main())
 
 
-def tokens_under(loaded, configs, requests) -> list[list[list[int]]]:
-    """For each engine config in turn, the generated tokens of ``requests`` (as ``run_all``)."""
+def tokens_under(loaded, configs, requests, with_logprobs: bool = False) -> list:
+    """For each engine config in turn, the generated tokens of ``requests`` (as ``run_all``), or with
+    ``with_logprobs`` their (tokens, log-probabilities) pairs."""
     results = []
     for config in configs:
         engine = Engine(loaded, config)
         engine.start()
         try:
-            results.append([tokens for tokens, _, _ in run_all(engine, requests)])
+            logprobs = [[] for _ in requests]
+            done = run_all(engine, [(p, params, None, lp) for (p, params), lp in zip(requests, logprobs)])
+            results.append([(tokens, lp) if with_logprobs else tokens for (tokens, _, _), lp in zip(done, logprobs)])
         finally:
             engine.shutdown()
     return results
