@@ -45,13 +45,16 @@ class Services:
         return True, "ok", None
 
 
-def get_services(request: Request) -> Services:
+# The two dependencies are coroutines although nothing in them waits: FastAPI runs a plain function
+# dependency in its thread pool, a hop there and back on every request.
+
+async def get_services(request: Request) -> Services:
     return request.app.state.services
 
 
-def ready_engine(request: Request):
+async def ready_engine(request: Request):
     """The engine, or 503 with Retry-After while it is loading or shutting down, 503 after it failed."""
-    services = get_services(request)
+    services: Services = request.app.state.services
     healthy, status, _ = services.health()
     if not healthy:
         if status == "draining":
