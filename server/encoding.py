@@ -138,6 +138,9 @@ class PrefixIds:
 
 
 class PromptEncoder:
+    """A tokenizer's encode for the server: the text whole, in pieces side by side, or (with
+    ``cached_prompts``) after the kept ids of its start. The ids are always the tokenizer's own."""
+
     def __init__(self, tokenizer, piece_chars: int = PIECE_CHARS, max_pieces: int | None = None,
                  cached_prompts: int = 0, mark_chars: int = MARK_CHARS):
         self.tokenizer = tokenizer
@@ -210,6 +213,7 @@ class PromptEncoder:
         ids.extend(parts[-1].ids)
         self.prefixes.add(text, ids, counts, kept_keys)
         return ids.tolist(), start
+
 
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
