@@ -90,40 +90,37 @@ class PrefixIds:
     def __init__(self, capacity: int = CACHED_PROMPTS):
         self.capacity = capacity
         self._lock = threading.Lock()
-        # text -> (its ids, mark -> ids before it, mark -> key)
-        self._prompts: OrderedDict[str, tuple[array, dict[int, int], dict[int, int]]] = OrderedDict()
+        # text -> (its ids, mark -> (ids before it, its key))
+        self._prompts: OrderedDict[str, tuple[array, dict[int, tuple[int, int]]]] = OrderedDict()
         self._holder: dict[int, str] = {}                    # key -> the kept prompt holding it
         self.query_chars = self.hit_chars = 0
 
-    def longest(self, text: str, text_marks: list[int], keys: list[int]) -> tuple[int, array, dict, dict]:
+    def longest(self, text: str, text_marks: list[int], keys: list[int]) -> tuple[int, array, dict]:
         """For the last of ``text_marks`` up to which a kept prompt has the same text: that mark, the
-        ids before it, and the ids before and the keys of each mark up to it (0, no ids, {}, {} if
-        none)."""
+        ids before it, and (ids before, key) of each mark up to it; (0, no ids, {}) if none."""
         with self._lock:
             self.query_chars += len(text)
             for mark, key in zip(reversed(text_marks), reversed(keys)):
                 prompt = self._holder.get(key)
                 if prompt is not None and prompt[:mark] == text[:mark]:
-                    ids, counts, prompt_keys = self._prompts[prompt]
+                    ids, kept = self._prompts[prompt]
                     self._prompts.move_to_end(prompt)
                     self.hit_chars += mark
-                    return (mark, ids[:counts[mark]], {m: n for m, n in counts.items() if m <= mark},
-                            {m: k for m, k in prompt_keys.items() if m <= mark})
-        return 0, array("i"), {}, {}
+                    return mark, ids[:kept[mark][0]], {m: v for m, v in kept.items() if m <= mark}
+        return 0, array("i"), {}
 
-    def add(self, text: str, ids: array, counts: dict[int, int], keys: dict[int, int]) -> None:
-        """Keeps ``text``'s ``ids``; ``counts`` maps marks of it to the ids before them, ``keys``
-        those marks to their keys."""
-        if not counts:
+    def add(self, text: str, ids: array, kept: dict[int, tuple[int, int]]) -> None:
+        """Keeps ``text``'s ``ids``; ``kept`` maps marks of it to (ids before it, its key)."""
+        if not kept:
             return
         with self._lock:
-            self._prompts[text] = (ids, counts, keys)
+            self._prompts[text] = (ids, kept)
             self._prompts.move_to_end(text)
-            for key in keys.values():
+            for _, key in kept.values():
                 self._holder[key] = text
             while len(self._prompts) > self.capacity:
-                old, (_, _, old_keys) = self._prompts.popitem(last=False)
-                for key in old_keys.values():
+                old, (_, old_kept) = self._prompts.popitem(last=False)
+                for _, key in old_kept.values():
                     if self._holder.get(key) == old:
                         del self._holder[key]
 
@@ -134,7 +131,7 @@ class PrefixIds:
         """Raises AssertionError unless every key names a kept prompt that holds it."""
         with self._lock:
             for key, prompt in self._holder.items():
-                assert prompt in self._prompts and key in self._prompts[prompt][2].values()
+                assert prompt in self._prompts and key in (k for _, k in self._prompts[prompt][1].values())
 
 
 class PromptEncoder:
@@ -198,7 +195,7 @@ class PromptEncoder:
         if len(text_marks) < 2:                      # a short text: keeping it would cost more than it saves
             return self.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids, 0
         keys = chained_keys(text, text_marks)
-        start, ids, counts, kept_keys = self.prefixes.longest(text, text_marks, keys)
+        start, ids, kept = self.prefixes.longest(text, text_marks, keys)
         after = [m for m in text_marks if m > start]
         with self._turn() as alone:
             cuts = after if alone else after[-1:]     # the last mark alone still finds the whole text again
@@ -208,10 +205,9 @@ class PromptEncoder:
         key_of = dict(zip(text_marks, keys))
         for mark, part in zip(cuts, parts):
             ids.extend(part.ids)
-            counts[mark] = len(ids)
-            kept_keys[mark] = key_of[mark]
+            kept[mark] = (len(ids), key_of[mark])
         ids.extend(parts[-1].ids)
-        self.prefixes.add(text, ids, counts, kept_keys)
+        self.prefixes.add(text, ids, kept)
         return ids.tolist(), start
 
 

@@ -24,7 +24,7 @@ from .config import EngineConfig
 from .graphs import capture_graphs
 from .kv_scales import CALIBRATION_TEXT, KvScales, calibrate, calibration_ids, load_scales
 from .pipeline import Sampled, StepPipeline
-from .prefill_graphs import PrefillGraphs, key_rows
+from .prefill_graphs import PrefillGraphs, key_rows, token_slots
 from .sampler import SamplingRows, argmax_rows, clean_logits, sample, sample_clean
 from .threads import configure_cpu_threads
 
@@ -258,10 +258,6 @@ class ModelRunner:
         graph.replay()
         return logits[:batch], greedy[:batch]
 
-    def _slots(self, seq, first: int, take: int) -> list[int]:
-        bs, table = self.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(first, first + take)]
-
     @torch.inference_mode()
     def prefill(self, chunks) -> torch.Tensor:
         """Runs prompt chunks [(seq, n_tokens)]; returns logits of the last token of each chunk
@@ -270,7 +266,8 @@ class ModelRunner:
         if graphs is not None:
             shape = graphs.bucket_for(chunks)
             if shape is not None:
-                slots = [slot for seq, take in chunks for slot in self._slots(seq, seq.num_cached, take)]
+                slots = np.concatenate([token_slots(seq, seq.num_cached, take, self.block_size)
+                                        for seq, take in chunks])
                 return graphs.run(chunks, slots, shape)
         return self._prefill_packed(chunks)
 
@@ -281,7 +278,7 @@ class ModelRunner:
             tokens = seq.token_ids[first:first + take]
             ids.extend(tokens)
             positions.extend(range(first, first + take))
-            slots.extend(self._slots(seq, first, take))
+            slots.append(token_slots(seq, first, take, self.block_size))
             starts.append(starts[-1] + take)
             contexts.append(first)
         width = max(len(seq.block_table) for seq, _ in chunks)
@@ -298,7 +295,7 @@ class ModelRunner:
             context = dict(key_slots=to_dev(key_slots),
                            cu_kv_starts=to_dev(key_starts), kv_starts=key_starts,
                            max_kv_len=max(b - a for a, b in zip(key_starts, key_starts[1:])))
-        batch = AttentionBatch(self.kv_caches, to_dev(slots), to_dev(table), to_dev(lens),
+        batch = AttentionBatch(self.kv_caches, to_dev(np.concatenate(slots)), to_dev(table), to_dev(lens),
                                is_decode=False, workspace=self.workspace,
                                query_starts=starts, context_lens=contexts,
                                cu_query_starts=to_dev(starts) if on_gpu else None,

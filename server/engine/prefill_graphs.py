@@ -29,16 +29,20 @@ log = logging.getLogger(__name__)
 KEY_ROW_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
+def token_slots(seq, first: int, count: int, block_size: int) -> np.ndarray:
+    """The cache slots (int64) of ``seq``'s tokens ``first`` .. ``first + count - 1``."""
+    positions = np.arange(first, first + count)
+    return np.asarray(seq.block_table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
+
+
 def key_rows(chunks, block_size: int) -> tuple[np.ndarray, list[int]]:
     """For chunks [(seq, take)] whose first ``seq.num_cached`` tokens are cached: the cache slot
     (int32) of every key row, each sequence's rows from its first token through its chunk, and
     the starts of each sequence's rows."""
     slots, starts = [], [0]
     for seq, take in chunks:
-        positions = np.arange(seq.num_cached + take)
-        table = np.asarray(seq.block_table, dtype=np.int64)
-        slots.append(table[positions // block_size] * block_size + positions % block_size)
-        starts.append(starts[-1] + len(positions))
+        slots.append(token_slots(seq, 0, seq.num_cached + take, block_size))
+        starts.append(starts[-1] + len(slots[-1]))
     return np.concatenate(slots).astype(np.int32), starts
 
 
@@ -123,7 +127,7 @@ class PrefillGraphs:
         target.copy_(torch.tensor(self._padded(starts), dtype=torch.int32))
 
     @torch.inference_mode()
-    def run(self, chunks, slots: list[int], shape: tuple[int, int]) -> torch.Tensor:
+    def run(self, chunks, slots: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
         """Logits [len(chunks), vocab] at each chunk's last token; ``shape`` from ``bucket_for``."""
         length, keys = shape
         ids, positions, starts = [], [], [0]
