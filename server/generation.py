@@ -234,7 +234,8 @@ class Generation:
             "max_new_tokens": self.params.max_new_tokens, "greedy": self.params.greedy,
             "tokenize_s": round(self.prompt.tokenize_s, 6), "tokenize_reused_chars": self.prompt.reused_chars,
             # the client's send to the start of tokenizing: the HTTP path in (and the clocks' skew)
-            **({"request_to_tokenize_s": round(self.prompt.tokenize_started - self.request_start, 6)}
+            **({"request_start": self.request_start,
+                "request_to_tokenize_s": round(self.prompt.tokenize_started - self.request_start, 6)}
                if self.request_start is not None else {}),
             **{k: round(v, 6) for k, v in (("first_token_s", self.first_token_s),
                                            ("first_token_delivery_s", self.first_token_delivery_s)) if v is not None},

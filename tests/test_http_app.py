@@ -465,6 +465,7 @@ def test_x_request_start_times_the_way_in(caplog, header, logged):
     way_in = record.fields.get("request_to_tokenize_s")
     assert (way_in is not None) == logged
     assert way_in is None or 0.25 <= way_in < 5
+    assert record.fields.get("request_start") == (pytest.approx(sent) if logged else None)
 
 
 def test_json_log_lines():
