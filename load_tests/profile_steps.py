@@ -63,6 +63,17 @@ def prefix_rows(core, args, counter, report: list[str]) -> list[tuple[str, float
         rows.append((f"prefill, {n} x {args.prompt_len} tokens after a cached {args.shared_prefix}-token prefix",
                      timed(lambda: prefill_after_prefix(n), 5)))
     n = max(args.prefix_batch)
+    for _ in range(n):
+        core.add(f"p{next(counter)}", prefix + [next(own) % 40000 + 5 for _ in range(args.prompt_len)],
+                 SamplingParams(max_new_tokens=1, ignore_eos=True), seed=0)
+    host = cProfile.Profile()
+    host.enable()
+    core.run_until_idle()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
+    report.append(f"## host profile of {n} prefills after a cached {args.shared_prefix}-token prefix (one step; "
+                  f"the requests added before)\n\n```\n{text.getvalue()}\n```")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         prefill_after_prefix(n)
         torch.cuda.synchronize()
@@ -151,7 +162,7 @@ def main(argv=None):
             core.abort(request_id)
         core.run_until_idle()
     (args.out / "profile.md").write_text("\n\n".join(report))
-    print("\n".join([r for r in report if r.startswith("## prefill of")] + report[-2:]))
+    print("\n".join([r for r in report if r.startswith(("## prefill of", "## host profile of"))] + report[-2:]))
     print("\n| what | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value * 1e3:.2f} ms |" if value < 10 else f"| {name} | {value:.0f} |")

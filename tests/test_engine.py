@@ -299,6 +299,32 @@ def test_by_default_an_arrival_is_prefilled_at_the_next_step():
     assert isinstance(step, PrefillStep) and [s.request_id for s, _ in step.chunks] == ["next"]
 
 
+def test_a_prefill_is_launched_while_the_decode_step_is_in_flight(tiny):
+    from server.engine import EngineCore
+
+    core = EngineCore(tiny, EngineConfig(max_batch=4, num_blocks=32, block_size=16), publish=lambda *a: None)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    core.add("first", list(range(10, 30)), params, seed=0)
+    while core.scheduler.waiting or not core.runner.pipeline.busy:
+        core.step()
+    launched_behind = []
+    prefill_step = core.runner.prefill_step
+
+    def recording(*args, **kwargs):
+        launched_behind.append(core.runner.pipeline.busy)
+        return prefill_step(*args, **kwargs)
+
+    core.runner.prefill_step = recording
+    core.add("second", list(range(40, 50)), params, seed=0)
+    events = core.step()
+    assert launched_behind == [True]
+    # the step gives the new request its first token and the running one the token that was in flight
+    assert sorted({request_id for request_id, _ in events}) == ["first", "second"]
+    assert not core.runner.pipeline.busy
+    core.run_until_idle()
+    assert core.blocks.num_used == 0
+
+
 def test_warm_up_fits_a_small_pool_and_leaves_it_empty(tiny):
     from server.engine import EngineCore
 

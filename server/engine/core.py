@@ -214,18 +214,21 @@ class EngineCore:
         """One model step; returns the (request id, event) pairs that became known.
 
         A decode step is launched before the previous decode's tokens are read back (the model
-        runner's ``pipeline``), so the host's bookkeeping overlaps the device's next step.
-        Prefills, and batches that need every earlier token on the host, first wait for the step
-        in flight."""
+        runner's ``pipeline``), so the host's bookkeeping overlaps the device's next step. So is
+        a prefill: it is planned and launched while the decode in flight runs, and that decode's
+        tokens are read back after it (no waiting sequence has a token in flight: a sequence
+        preempted by a decode step has its last token read back by that step's launch). Batches
+        that need every earlier token on the host first wait for the step in flight."""
         events = []
-        if self.scheduler.needs_sync() or self.scheduler.prefill_turn():
+        if self.scheduler.needs_sync():
             events += self._emit(self.runner.pipeline.drain())
         work = self.scheduler.schedule()
         if work is None:
             return events + self._emit(self.runner.pipeline.drain())
         self.steps += 1
         if isinstance(work, PrefillStep):
-            return events + self._prefill(work)
+            events += self._prefill(work)
+            return events + self._emit(self.runner.pipeline.drain())
         self.step_stats.decode_steps += 1
         self.step_stats.generated += len(work.seqs)
         return events + self._emit(self.runner.decode_step(work.seqs, self._sampling_rows(work.seqs)))
