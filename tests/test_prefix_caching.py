@@ -1,6 +1,7 @@
 """Prefix caching on the CPU in fp32, greedy: every output with caching on equals the output
 with it off, token for token, and the pool stays consistent (``BlockManager.check``)."""
 
+import hashlib
 import random
 
 import pytest
@@ -104,6 +105,23 @@ def test_keys_chain_through_the_parent_and_are_salted():
     assert len(k1[0]) == 32 and k1[0] != k2[0]                 # SHA-256, salted by the model
     assert k1[1] != k3[1]                                      # same tokens, other parent: other key
     assert BlockManager(8, 8, True, salt="model-a")._root != a._root      # salted by the block size
+
+
+def test_keys_are_sha256_of_the_parent_and_the_tokens_as_int64_across_prompt_and_output():
+    rng = random.Random()
+    blocks = BlockManager(8, 16, True, salt="m")
+    for _ in range(20):
+        seq = seq_of([rng.randrange(0, 1 << 40) for _ in range(rng.randint(1, 100))])
+        for _ in range(rng.randint(0, 40)):
+            seq.append(rng.randrange(0, 1 << 17))
+        n = seq.length // 16
+        parent, expected = blocks._root, []
+        for i in range(n):
+            data = b"".join(t.to_bytes(8, "little") for t in seq.token_ids[16 * i:16 * (i + 1)])
+            parent = hashlib.sha256(parent + data).digest()
+            expected.append(parent)
+        assert blocks._keys(seq, n // 2) == expected[:n // 2]      # computed in two goes, as the engine does
+        assert blocks._keys(seq, n) == expected
 
 
 def test_match_shares_full_blocks_only_and_never_the_last_token():

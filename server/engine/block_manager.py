@@ -16,6 +16,8 @@ its last token (which must run through the model to give the next token's logits
 """
 
 import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 
 import numpy as np
@@ -98,10 +100,15 @@ class BlockManager:
         """The keys of ``seq``'s first ``num_blocks`` full blocks (computed once, kept on ``seq``)."""
         keys, bs = seq.block_keys, self.block_size
         if len(keys) < num_blocks:
-            tokens = np.asarray(seq.token_ids[len(keys) * bs:num_blocks * bs], dtype=np.int64)
+            start, end = len(keys) * bs, num_blocks * bs
+            ids = seq.prompt_ids[start:end] if end <= len(seq.prompt_ids) else seq.token_ids[start:end]
+            # int64 little-endian, 8 bytes a token
+            tokens = memoryview(array("q", ids).tobytes() if sys.byteorder == "little" else
+                                np.asarray(ids, dtype="<i8").tobytes())
+            step = 8 * bs
             parent = keys[-1] if keys else self._root
             for i in range(num_blocks - len(keys)):
-                parent = hashlib.sha256(parent + tokens[i * bs:(i + 1) * bs].tobytes()).digest()
+                parent = hashlib.sha256(parent + tokens[i * step:(i + 1) * step]).digest()
                 keys.append(parent)
         return keys[:num_blocks]
 
