@@ -26,6 +26,8 @@ ENGINE_FLAGS = {
     "max_prefill_tokens": (int, "prompt tokens admitted per step"),
     "prefill_delay_steps": (int, "decode steps an arriving prompt may wait, while others decode, to be "
                                  "prefilled together with later arrivals (0: at once)"),
+    "chained_prefill_tokens": (int, "while others decode, a prefill may follow a prefill at once if the "
+                                    "prompts waiting have at most this many tokens to compute (0: never)"),
     "max_waiting_requests": (int, "queue bound in requests; past it requests get 429"),
     "max_waiting_tokens": (int, "queue bound in prompt + max_new tokens; past it requests get 429"),
 }

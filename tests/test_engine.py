@@ -283,6 +283,48 @@ def test_arrivals_wait_to_be_prefilled_together_while_others_decode():
     assert isinstance(sched.schedule(), PrefillStep)
 
 
+@pytest.mark.parametrize("delay", [0, 2])
+def test_a_short_prefill_follows_a_prefill_at_once_but_never_a_third(delay):
+    from server.engine.scheduler import DecodeStep, PrefillStep, Scheduler
+    from server.engine.sequence import Sequence
+
+    blocks = BlockManager(64, 16, prefix_caching=True)
+    sched = Scheduler(blocks, max_batch=8, max_prefill_tokens=4096, max_model_len=512,
+                      prefill_delay_steps=delay, chained_prefill_tokens=40)
+
+    def prefill(step):
+        assert isinstance(step, PrefillStep)
+        for s, take in step.chunks:
+            s.num_cached += take
+            blocks.commit(s)
+            sched.prefill_done(s)
+
+    long_start = list(range(100, 196))                              # six blocks
+    sched.add(Sequence("first", long_start + [7], SamplingParams(max_new_tokens=100), seed=0))
+    prefill(sched.schedule())
+    assert isinstance(sched.schedule(), DecodeStep)
+    for name in "ab":
+        sched.add(Sequence(name, list(range(10, 40)), SamplingParams(max_new_tokens=5), seed=0))
+    if delay:
+        for _ in range(delay - 1):
+            assert isinstance(sched.schedule(), DecodeStep)
+    prefill(sched.schedule())                                     # a and b: 60 tokens
+    # 97 tokens, of which the cache holds 96: one to compute, so it follows at once (without a delay)
+    sched.add(Sequence("c", long_start + [8], SamplingParams(max_new_tokens=5), seed=0))
+    step = sched.schedule()
+    if delay:
+        assert isinstance(step, DecodeStep)
+        return
+    assert [(s.request_id, s.num_cached, take) for s, take in step.chunks] == [("c", 96, 1)]
+    prefill(step)
+    sched.add(Sequence("d", [5, 6, 7], SamplingParams(max_new_tokens=5), seed=0))
+    assert isinstance(sched.schedule(), DecodeStep)                # never three in a row
+    prefill(sched.schedule())
+    sched.add(Sequence("e", list(range(300, 341)), SamplingParams(max_new_tokens=5), seed=0))
+    assert isinstance(sched.schedule(), DecodeStep)                # 41 tokens: over the 40 that chain
+    prefill(sched.schedule())
+
+
 def test_by_default_an_arrival_is_prefilled_at_the_next_step():
     from server.engine.scheduler import DecodeStep, PrefillStep, Scheduler
     from server.engine.sequence import Sequence

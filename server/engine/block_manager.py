@@ -132,6 +132,17 @@ class BlockManager:
         self.hit_tokens += hit
         return hit
 
+    def cached_prefix(self, seq) -> int:
+        """The tokens ``match`` would find cached for ``seq`` now (nothing taken)."""
+        if not self.prefix_caching:
+            return 0
+        found = 0
+        for key in self._keys(seq, (seq.length - 1) // self.block_size):
+            if key not in self._by_key:
+                break
+            found += 1
+        return found * self.block_size
+
     def unmatch(self, seq) -> None:
         """Undoes ``match`` for a sequence that could not be scheduled after all."""
         self.query_tokens -= seq.length

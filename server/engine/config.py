@@ -17,6 +17,9 @@ class EngineConfig:
     max_model_len: int | None = None         # None: the model's own context length
     max_prefill_tokens: int = 4096           # prompt tokens admitted per step (long prompts in chunks)
     prefill_delay_steps: int = 0             # decode steps arrivals may wait to be prefilled together
+    # while streams decode, a prefill step may follow another at once if what waits has at most
+    # this many tokens to compute (after cached prefixes); 0: a decode step always comes between
+    chained_prefill_tokens: int = 1024
     max_waiting_requests: int = 1024         # queue bound: admission answers QueueFullError past it
     max_waiting_tokens: int = 4_000_000      # queue bound in prompt + max_new tokens
     cuda_graphs: bool = True

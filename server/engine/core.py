@@ -104,7 +104,7 @@ class EngineCore:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching,
                                    salt=f"{loaded.name}|{loaded.dtype}")
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens, self.max_model_len,
-                                   config.prefill_delay_steps)
+                                   config.prefill_delay_steps, config.chained_prefill_tokens)
         self.steps = 0
         self.step_stats = StepStats()
         self.info = ModelInfo(loaded.name, self.max_model_len, self.runner.kv_tokens, config.block_size,

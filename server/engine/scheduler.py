@@ -6,8 +6,11 @@ step and decodes from the one after. With ``prefill_delay_steps`` > 0, arrivals 
 decode are gathered for up to that many decode steps (or until they fill the token budget or
 the free batch rows) and prefilled together: a prefill's cost is mostly per step, not per
 prompt, so under many concurrent streams one prefill of eight prompts stalls them about as long
-as one of one prompt (TGI's waiting_served_ratio / max_waiting_tokens). Prefill steps never run
-twice in a row while streams decode, so long prompts, cut into chunks, never stall them. When
+as one of one prompt (TGI's waiting_served_ratio / max_waiting_tokens). While streams decode, a
+prefill step follows another at once only when what waits is short (``chained_prefill_tokens``
+tokens to compute at most, after cached prefixes; without a gathering delay) and never three in
+a row: the prompts that arrived during a short prefill after a cached prefix skip a decode step,
+and long prompts, cut into chunks, never stall the streams twice running. When
 the pool cannot hold the next decode token, the newest running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed later (with prefix
 caching, from the blocks of it still cached). A sequence's first prefill chunk starts after the
@@ -33,15 +36,16 @@ class DecodeStep:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, max_model_len: int,
-                 prefill_delay_steps: int = 0):
+                 prefill_delay_steps: int = 0, chained_prefill_tokens: int = 0):
         self.blocks = blocks
         self.prefill_delay_steps = prefill_delay_steps
+        self.chained_prefill_tokens = chained_prefill_tokens
         self.max_model_len = max_model_len
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._last_was_prefill = False
+        self._prefills_in_a_row = 0
         self._decodes_since_prefill = 0
         self.preemptions = 0
 
@@ -57,20 +61,31 @@ class Scheduler:
             return False
         if not self.running:
             return True
-        if self._last_was_prefill:
-            return False
+        if self._prefills_in_a_row:
+            return (self._prefills_in_a_row == 1 and self.prefill_delay_steps == 0
+                    and self._tokens_to_compute(self.chained_prefill_tokens) <= self.chained_prefill_tokens)
         return (self._decodes_since_prefill >= self.prefill_delay_steps
                 or len(self.waiting) >= self.max_batch - len(self.running)
                 or sum(s.prefill_remaining for s in self.waiting) >= self.max_prefill_tokens)
+
+    def _tokens_to_compute(self, limit: int) -> int:
+        """The waiting sequences' tokens still to run through the model, after what the cache
+        holds of their starts; counting stops past ``limit``."""
+        total = 0
+        for seq in self.waiting:
+            total += seq.prefill_remaining if seq.block_table else seq.length - self.blocks.cached_prefix(seq)
+            if total > limit:
+                break
+        return total
 
     def schedule(self) -> PrefillStep | DecodeStep | None:
         if self.prefill_turn():
             step = self._schedule_prefill()
             if step is not None:
-                self._last_was_prefill = True
+                self._prefills_in_a_row += 1
                 self._decodes_since_prefill = 0
                 return step
-        self._last_was_prefill = False
+        self._prefills_in_a_row = 0
         if not self.running:
             return None
         self._decodes_since_prefill += 1
