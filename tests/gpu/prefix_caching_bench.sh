@@ -6,7 +6,9 @@
 #   - multi-turn chat: conversations of TURNS turns, each resending the conversation so far;
 #   - nothing shared: random prompts of OWN tokens at concurrency 64.
 # Then a table: TTFT p50 off / on at 16, output tok/s on / off at 64, the same for the chat and
-# for the prompts with nothing shared (medians over the rounds of each round's ratio).
+# for the prompts with nothing shared (medians over the rounds of each round's ratio); and per
+# model and caching, each request's legs at 16 streams per API worker and by place in a burst
+# (load_tests.request_log, OUT_DIR/<model>_<on|off>_shared16_requests.md).
 #
 #   bash tests/gpu/prefix_caching_bench.sh OUT_DIR
 #   LEVELS="none" ROUNDS=3 bash tests/gpu/prefix_caching_bench.sh OUT_DIR     # nothing shared only
@@ -209,4 +211,15 @@ for model_dir in models:
 table = "\n".join(rows)
 (out / "summary.md").write_text(table + "\n")
 print(table)
+
+# each request's legs at 16 streams, per API worker and by place in a burst (load_tests.request_log)
+from load_tests import request_log
+for model_dir in models:
+    for caching in ("on", "off"):
+        timelines = request_log.read(sorted((model_dir / caching).glob("shared16.r*.requests.jsonl")))
+        if timelines:
+            path = out / f"{model_dir.name}_{caching}_shared16_requests.md"
+            path.write_text(f"# {model_dir.name}, caching {caching}, shared prefix at 16 streams, every round\n\n"
+                            + request_log.report(timelines) + "\n")
+            print(f"\n{path.name}: {request_log.report(timelines).splitlines()[0]}")
 EOF
