@@ -9,10 +9,13 @@ each request on one clock:
 
 (the API worker and the engine process share the host's monotonic clock only through these
 durations, so "to the engine" is what is left of the worker's admission-to-first-token after the
-engine's TTFT and the delivery). The report: requests per API worker (the number before the ":"
-of ``engine_request_id``), the median of each leg, how many requests each prefill step served
-(requests whose first token left the engine within the same half millisecond) and the legs by a
-request's place in its burst (requests sent less than ``--gap-ms`` apart).
+engine's TTFT and the delivery). What lies between the end of tokenising and admission (planning
+the request's tokens, the hand-over) is logged in no leg; a record without a delivery time counts
+it as 0 (in "to the engine"), and one without the engine's queue (a request the front end ended at
+a stop string) is left out. The report: requests per API worker (the number before the ":" of
+``engine_request_id``), the median of each leg, how many requests each prefill step served
+(requests whose first tokens left the engine less than half a millisecond apart) and the legs by
+a request's place in its burst (requests sent less than ``--gap-ms`` apart).
 
     python -m load_tests.request_log server.log [more logs or .jsonl files]
 """
@@ -30,7 +33,7 @@ LEGS = ("way_in", "tokenize", "to_engine", "queue", "prefill", "delivery", "serv
 class Timeline:
     worker: str
     sent: float                 # the client's X-Request-Start, epoch seconds
-    engine_first: float         # the first token leaving the engine, on the client's clock
+    engine_first: float         # the first token leaving the engine, epoch seconds on the server's clock
     way_in: float
     tokenize: float
     to_engine: float
@@ -84,11 +87,17 @@ def bursts(timelines: list[Timeline], gap_s: float) -> list[list[Timeline]]:
     return runs
 
 
-def prefill_groups(timelines: list[Timeline], window_s: float = 5e-4) -> Counter:
-    """{requests served by one prefill step: how many steps}, a step being the requests whose
-    first token left the engine within the same ``window_s``."""
-    steps = Counter(round(t.engine_first / window_s) for t in timelines)
-    return Counter(steps.values())
+def prefill_groups(timelines: list[Timeline], gap_s: float = 5e-4) -> Counter:
+    """{requests served by one prefill step: how many steps}, a step being a run of requests whose
+    first tokens left the engine less than ``gap_s`` after the one before."""
+    steps, last = [], None
+    for t in sorted(timelines, key=lambda t: t.engine_first):
+        if last is not None and t.engine_first - last < gap_s:
+            steps[-1] += 1
+        else:
+            steps.append(1)
+        last = t.engine_first
+    return Counter(steps)
 
 
 def median_ms(timelines, leg: str) -> float:

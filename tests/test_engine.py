@@ -323,6 +323,48 @@ def test_a_short_prefill_follows_a_prefill_at_once_but_never_a_third(delay):
     sched.add(Sequence("e", list(range(300, 341)), SamplingParams(max_new_tokens=5), seed=0))
     assert isinstance(sched.schedule(), DecodeStep)                # 41 tokens: over the 40 that chain
     prefill(sched.schedule())
+    sched.add(Sequence("f", list(range(400, 440)), SamplingParams(max_new_tokens=5), seed=0))
+    prefill(sched.schedule())                                     # 40 tokens: as many as chain
+
+
+def test_a_long_prompt_alternates_with_decodes_but_for_a_short_last_chunk():
+    from server.engine.scheduler import DecodeStep, PrefillStep, Scheduler
+    from server.engine.sequence import Sequence
+
+    blocks = BlockManager(64, 16)
+    sched = Scheduler(blocks, max_batch=8, max_prefill_tokens=48, max_model_len=512, chained_prefill_tokens=40)
+    first = Sequence("first", list(range(10, 30)), SamplingParams(max_new_tokens=100), seed=0)
+    sched.add(first)
+    sched.schedule()
+    first.num_cached = first.length
+    sched.prefill_done(first)
+    assert isinstance(sched.schedule(), DecodeStep)
+    long = Sequence("long", list(range(100, 240)), SamplingParams(max_new_tokens=5), seed=0)   # 140 tokens
+    sched.add(long)
+    kinds = []
+    while long.status.value == "waiting":
+        step = sched.schedule()
+        kinds.append((type(step).__name__, [take for _, take in step.chunks] if isinstance(step, PrefillStep) else None))
+        if isinstance(step, PrefillStep):
+            for s, take in step.chunks:
+                s.num_cached += take
+                if s.prefill_remaining == 0:
+                    sched.prefill_done(s)
+    # 48, 48 (92 left: over 40, a decode between), then 44: over 40 too; a chunk of at most 40 would chain
+    assert kinds == [("PrefillStep", [48]), ("DecodeStep", None), ("PrefillStep", [48]), ("DecodeStep", None),
+                     ("PrefillStep", [44])]
+    sched.add(Sequence("next", list(range(300, 400)), SamplingParams(max_new_tokens=5), seed=0))   # 100 tokens
+    assert isinstance(sched.schedule(), DecodeStep)
+    step = sched.schedule()
+    assert [take for _, take in step.chunks] == [48]
+    step.chunks[0][0].num_cached += 48
+    step = sched.schedule()                                        # 52 left: a decode between
+    assert isinstance(step, DecodeStep)
+    step = sched.schedule()
+    assert [take for _, take in step.chunks] == [48]
+    step.chunks[0][0].num_cached += 48
+    step = sched.schedule()                                        # its last 4 tokens follow at once
+    assert isinstance(step, PrefillStep) and [take for _, take in step.chunks] == [4]
 
 
 def test_by_default_an_arrival_is_prefilled_at_the_next_step():

@@ -42,7 +42,8 @@ def test_bursts_prefill_groups_and_the_report(tmp_path):
     for burst in range(3):                                   # three bursts of five, 50 ms apart
         first = start + 0.05 * burst
         for i in range(5):                                   # served by two prefill steps: 2 and 3 requests
-            fields, _ = record(rng, first + 0.001 * i, i % 2, first + (0.020 if i < 2 else 0.030))
+            step_end = first + (0.020 if i < 2 else 0.030) + rng.uniform(0, 2e-4)     # the logs' rounding
+            fields, _ = record(rng, first + 0.001 * i, i % 2, step_end)
             lines.append(json.dumps(fields))
     lines.insert(3, json.dumps({"msg": "engine ready"}))
     lines.insert(5, "not json")

@@ -9,8 +9,9 @@ prompt, so under many concurrent streams one prefill of eight prompts stalls the
 as one of one prompt (TGI's waiting_served_ratio / max_waiting_tokens). While streams decode, a
 prefill step follows another at once only when what waits is short (``chained_prefill_tokens``
 tokens to compute at most, after cached prefixes; without a gathering delay) and never three in
-a row: the prompts that arrived during a short prefill after a cached prefix skip a decode step,
-and long prompts, cut into chunks, never stall the streams twice running. When
+a row: the prompts that arrived during a short prefill after a cached prefix skip a decode step.
+A long prompt's chunks alternate with decode steps, but for a short last chunk, which may follow
+the chunk before it at once (the streams then wait for two prefill steps, never more). When
 the pool cannot hold the next decode token, the newest running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed later (with prefix
 caching, from the blocks of it still cached). A sequence's first prefill chunk starts after the
