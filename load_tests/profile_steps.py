@@ -31,6 +31,17 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def host_profile(fn, sort_by: str, lines: int) -> str:
+    """cProfile's table of one call of ``fn``, its ``lines`` top functions by ``sort_by``."""
+    host = cProfile.Profile()
+    host.enable()
+    fn()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats(sort_by).print_stats(lines)
+    return text.getvalue()
+
+
 def steady_decode(core, batch: int, prompt, counter) -> list[str]:
     """Adds ``batch`` long requests and steps until every one is decoding; returns their ids."""
     ids = [f"d{next(counter)}" for _ in range(batch)]
@@ -50,10 +61,13 @@ def prefix_rows(core, args, counter, report: list[str]) -> list[tuple[str, float
     prefix = [2000 + i % 20000 for i in range(args.shared_prefix)]
     own = iter(range(30000, 10**9))
 
-    def prefill_after_prefix(n: int):
+    def add_after_prefix(n: int):
         for _ in range(n):
             core.add(f"p{next(counter)}", prefix + [next(own) % 40000 + 5 for _ in range(args.prompt_len)],
                      SamplingParams(max_new_tokens=1, ignore_eos=True), seed=0)
+
+    def prefill_after_prefix(n: int):
+        add_after_prefix(n)
         core.run_until_idle()
 
     prefill_after_prefix(1)                            # caches the prefix
@@ -63,17 +77,9 @@ def prefix_rows(core, args, counter, report: list[str]) -> list[tuple[str, float
         rows.append((f"prefill, {n} x {args.prompt_len} tokens after a cached {args.shared_prefix}-token prefix",
                      timed(lambda: prefill_after_prefix(n), 5)))
     n = max(args.prefix_batch)
-    for _ in range(n):
-        core.add(f"p{next(counter)}", prefix + [next(own) % 40000 + 5 for _ in range(args.prompt_len)],
-                 SamplingParams(max_new_tokens=1, ignore_eos=True), seed=0)
-    host = cProfile.Profile()
-    host.enable()
-    core.run_until_idle()
-    host.disable()
-    text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
+    add_after_prefix(n)
     report.append(f"## host profile of {n} prefills after a cached {args.shared_prefix}-token prefix (one step; "
-                  f"the requests added before)\n\n```\n{text.getvalue()}\n```")
+                  f"the requests added before)\n\n```\n{host_profile(core.run_until_idle, 'tottime', 30)}\n```")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         prefill_after_prefix(n)
         torch.cuda.synchronize()
@@ -142,14 +148,8 @@ def main(argv=None):
             graph = core.runner.graphs[bucket][0]
             rows.append((f"  its graph replayed alone (device time), B={batch}",
                          timed(lambda: [graph.replay() for _ in range(50)], 3) / 50))
-        host = cProfile.Profile()
-        host.enable()
-        for _ in range(20):
-            core.step()
-        host.disable()
-        text = io.StringIO()
-        pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(25)
-        report.append(f"## host profile of 20 decode steps, B={batch}\n\n```\n{text.getvalue()}\n```")
+        steps = host_profile(lambda: [core.step() for _ in range(20)], "cumulative", 25)
+        report.append(f"## host profile of 20 decode steps, B={batch}\n\n```\n{steps}\n```")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 core.step()

@@ -20,7 +20,6 @@ import sys
 from array import array
 from collections import OrderedDict
 
-import numpy as np
 
 
 class BlockManager:
@@ -101,11 +100,10 @@ class BlockManager:
         keys, bs = seq.block_keys, self.block_size
         if len(keys) < num_blocks:
             start, end = len(keys) * bs, num_blocks * bs
-            ids = seq.prompt_ids[start:end] if end <= len(seq.prompt_ids) else seq.token_ids[start:end]
-            # int64 little-endian, 8 bytes a token
-            tokens = memoryview(array("q", ids).tobytes() if sys.byteorder == "little" else
-                                np.asarray(ids, dtype="<i8").tobytes())
-            step = 8 * bs
+            ids = array("q", seq.prompt_ids[start:end] if end <= len(seq.prompt_ids) else seq.token_ids[start:end])
+            if sys.byteorder == "big":
+                ids.byteswap()                       # the keys hash int64 little-endian tokens
+            tokens, step = memoryview(ids.tobytes()), 8 * bs
             parent = keys[-1] if keys else self._root
             for i in range(num_blocks - len(keys)):
                 parent = hashlib.sha256(parent + tokens[i * step:(i + 1) * step]).digest()
@@ -118,12 +116,7 @@ class BlockManager:
         if seq.block_table:
             raise ValueError(f"match() is for a sequence holding no blocks, not {len(seq.block_table)}")
         self.query_tokens += seq.length
-        if not self.prefix_caching:
-            return 0
-        for key in self._keys(seq, (seq.length - 1) // self.block_size):
-            block = self._by_key.get(key)
-            if block is None:
-                break
+        for block in self._cached_chain(seq):
             if self._refs[block] == 0:
                 del self._evictable[block]
             self._refs[block] += 1
@@ -134,14 +127,18 @@ class BlockManager:
 
     def cached_prefix(self, seq) -> int:
         """The tokens ``match`` would find cached for ``seq`` now (nothing taken)."""
-        if not self.prefix_caching:
-            return 0
-        found = 0
-        for key in self._keys(seq, (seq.length - 1) // self.block_size):
-            if key not in self._by_key:
-                break
-            found += 1
-        return found * self.block_size
+        return len(self._cached_chain(seq)) * self.block_size
+
+    def _cached_chain(self, seq) -> list[int]:
+        """The cached blocks of the longest chain that starts ``seq``'s tokens, its last token excluded."""
+        chain = []
+        if self.prefix_caching:
+            for key in self._keys(seq, (seq.length - 1) // self.block_size):
+                block = self._by_key.get(key)
+                if block is None:
+                    break
+                chain.append(block)
+        return chain
 
     def unmatch(self, seq) -> None:
         """Undoes ``match`` for a sequence that could not be scheduled after all."""
