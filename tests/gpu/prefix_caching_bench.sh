@@ -30,52 +30,7 @@ SERVER_ARGS=${SERVER_ARGS:-}
 ROUNDS=${ROUNDS:-2}
 LEVELS=${LEVELS:-shared_c1 shared16 shared64 chat none}   # a subset runs only those levels
 MEMORY_FRACTION=${MEMORY_FRACTION:-0.4}   # each of the two servers'
-# Both servers on one half of the CPUs, the clients on the other: whichever server is loaded gets
-# the same cores. Unpinned, the two instances differed by 10-15 % with nothing shared, the sign
-# changing from run to run (docs/prefix-caching.md). Empty: no pinning.
-cpus=$(nproc)
-if [ "$cpus" -ge 8 ] && command -v taskset > /dev/null; then
-  SERVER_CPUS=${SERVER_CPUS-0-$((cpus / 2 - 1))}
-  CLIENT_CPUS=${CLIENT_CPUS-$((cpus / 2))-$((cpus - 1))}
-else
-  SERVER_CPUS=${SERVER_CPUS-} CLIENT_CPUS=${CLIENT_CPUS-}
-fi
-# the API workers the server's "auto" gives on the whole host (pinned, it would count half the CPUs)
-api_workers=$(python3 -c "from server.cli import resolve_api_workers; print(resolve_api_workers('auto', '$DEVICE', False))")
-pinned() { local cpus=$1; shift; if [ -n "$cpus" ]; then taskset -c "$cpus" "$@"; else "$@"; fi; }
-
-healthy() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; }
-free_port() { python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
-
-loadgen() {   # loadgen NAME ARGS...: one run against the server on $port, into $dir/NAME
-  local name=$1; shift
-  local first; first=$(wc -l < "$dir/server.log")
-  pinned "$CLIENT_CPUS" timeout 600 python3 -m load_tests.loadgen --base-url "http://127.0.0.1:$port" --output-len "$OUTPUT" \
-      --warmup 2 --no-progress --no-plots --workers "$WORKERS" --max-duration "$SECONDS_PER_LEVEL" \
-      --out-dir "$dir/$name" "$@" > "$dir/$name.log" 2>&1 \
-    || { echo "loadgen $name failed:"; tail -5 "$dir/$name.log"; }
-  # the server's own timings of this run's requests (its request log), the two warm-ups left out
-  tail -n +$((first + 1)) "$dir/server.log" | grep '"request finished"' | tail -n +3 > "$dir/$name.requests.jsonl"
-  grep -E "c=[0-9]+: " "$dir/$name.log" | sed "s/^.*loadgen INFO /  $name /"
-}
-
-start_server() {   # start_server CACHING FRACTION: a server on a free port, healthy; its pid and port in $server_CACHING / $port_CACHING
-  local caching=$1 fraction=$2 dir="$out/${model//[:\/]/_}/$1" flag=""
-  mkdir -p "$dir"
-  port=$(free_port)
-  [ "$caching" = off ] && flag="--no-prefix-caching"
-  pinned "$SERVER_CPUS" python3 -m server --model "$model" --device "$DEVICE" --port "$port" --gpu-memory-fraction "$fraction" \
-      --api-workers "$api_workers" $flag $SERVER_ARGS > "$dir/server.log" 2>&1 &
-  server=$!
-  eval "server_$caching=$server port_$caching=$port"
-  for _ in $(seq 600); do
-    healthy && break
-    kill -0 "$server" 2>/dev/null || break
-    sleep 0.5
-  done
-  healthy || { echo "  the $caching server did not become healthy:"; tail -20 "$dir/server.log"; return 1; }
-  grep -E "prefix caching|captured prefill|KV pool|HTTP on|not installed" "$dir/server.log" | sed "s/^/  $caching: /" | cut -c1-220
-}
+source tests/gpu/servers.sh
 
 # Both servers run side by side (each with a share of the GPU's memory) and take turns level by
 # level, round by round (on first in odd rounds, off first in even ones), so that each on / off
@@ -85,7 +40,8 @@ for model in $MODELS; do
   server_on="" server_off=""
   # the second server's share counts the first one's memory as used (gpu_memory_fraction is of
   # the whole device), so it asks for twice the share to get as much again
-  if start_server on "$MEMORY_FRACTION" && start_server off "$(python3 -c "print(2 * $MEMORY_FRACTION)")"; then
+  if start_server on "$out/${model//[:\/]/_}/on" . "$MEMORY_FRACTION" $SERVER_ARGS \
+     && start_server off "$out/${model//[:\/]/_}/off" . "$(python3 -c "print(2 * $MEMORY_FRACTION)")" --no-prefix-caching $SERVER_ARGS; then
     for round in $(seq "$ROUNDS"); do
       order="on off"; [ $((round % 2)) = 0 ] && order="off on"
       for level in $LEVELS; do

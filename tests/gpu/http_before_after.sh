@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The HTTP server of two trees on one GPU host, side by side, loaded in turns: random prompts of
+# INPUT tokens, OUTPUT tokens out, at each of CONCURRENCY streams, for ROUNDS rounds (before
+# first in odd rounds, after first in even ones). Then, per level, the medians over the rounds of
+# output tok/s and TTFT p50, each round's after / before ratio, and how evenly the API workers
+# shared the requests (the busiest worker's share; with 4 workers, 25 % is even).
+#
+#   git archive BASE | tar -x -C .before       # the code before, beside this checkout
+#   BEFORE=.before bash tests/gpu/http_before_after.sh OUT_DIR
+#   MODEL=random:tiny DEVICE=cpu CONCURRENCY="4" OUTPUT=8 REQUESTS=16 SECONDS_PER_LEVEL=5 BEFORE=.before bash tests/gpu/http_before_after.sh /tmp/h
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:?usage: http_before_after.sh OUT_DIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+BEFORE=$(cd "${BEFORE:?name the tree of the code before}" && pwd)
+model=${MODEL:-random:llama-gqa128}
+DEVICE=${DEVICE:-cuda}
+INPUT=${INPUT:-128}
+OUTPUT=${OUTPUT:-256}
+CONCURRENCY=${CONCURRENCY:-16 64 256}
+REQUESTS=${REQUESTS:-2048}
+SECONDS_PER_LEVEL=${SECONDS_PER_LEVEL:-8}
+WORKERS=${WORKERS:-8}
+ROUNDS=${ROUNDS:-3}
+MEMORY_FRACTION=${MEMORY_FRACTION:-0.4}
+SERVER_ARGS=${SERVER_ARGS:-}
+source tests/gpu/servers.sh
+
+echo "== $model: the server before and after, taking turns for $ROUNDS rounds"
+if start_server before "$out/before" "$BEFORE" "$MEMORY_FRACTION" $SERVER_ARGS \
+   && start_server after "$out/after" . "$(python3 -c "print(2 * $MEMORY_FRACTION)")" $SERVER_ARGS; then
+  for round in $(seq "$ROUNDS"); do
+    order="before after"; [ $((round % 2)) = 0 ] && order="after before"
+    for streams in $CONCURRENCY; do
+      for tree in $order; do
+        dir="$out/$tree"; port_of=port_$tree; port=${!port_of}
+        loadgen "c$streams.r$round" --concurrency "$streams" --num-prompts "$REQUESTS" --input-len "$INPUT"
+      done
+    done
+  done
+fi
+kill $server_before $server_after 2>/dev/null; wait $server_before $server_after 2>/dev/null
+
+python3 - "$out" $CONCURRENCY <<'EOF'
+import json, statistics, sys
+from collections import Counter
+from pathlib import Path
+
+out, levels = Path(sys.argv[1]), [int(c) for c in sys.argv[2:]]
+
+
+def runs(tree, streams):
+    """Per round: (output tok/s, TTFT p50 ms, the busiest API worker's share of the requests)."""
+    found = []
+    for path in sorted((out / tree).glob(f"c{streams}.r*/results.json"), key=lambda p: int(p.parent.name.rsplit(".r", 1)[1])):
+        summary = json.loads(path.read_text())["levels"][0]["summary"]
+        log = path.parent.parent / f"{path.parent.name}.requests.jsonl"
+        workers = Counter(json.loads(line)["engine_request_id"].split(":")[0]
+                          for line in log.read_text().splitlines() if line.strip())
+        busiest = max(workers.values()) / sum(workers.values()) if workers else float("nan")
+        found.append((summary["output_throughput"], summary["ttft_ms"]["p50"], busiest))
+    return found
+
+
+def listed(values, fmt):
+    return ", ".join(fmt.format(v) for v in values)
+
+
+rows = ["| streams | tok/s before | tok/s after | after / before (rounds) | TTFT p50 before | TTFT p50 after | "
+        "before / after (rounds) | busiest worker's share, before (rounds) | after (rounds) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+for streams in levels:
+    before, after = runs("before", streams), runs("after", streams)
+    if not before or not after:
+        rows.append(f"| {streams} | - | - | - | - | - | - | - | - |")
+        continue
+    speed = [a[0] / b[0] for a, b in zip(after, before)]
+    ttft = [b[1] / a[1] for a, b in zip(after, before)]
+    rows.append(f"| {streams} | {statistics.median([b[0] for b in before]):,.0f} | {statistics.median([a[0] for a in after]):,.0f} | "
+                f"{statistics.median(speed):.3f}x ({listed(speed, '{:.3f}')}) | {statistics.median([b[1] for b in before]):.1f} | "
+                f"{statistics.median([a[1] for a in after]):.1f} | {statistics.median(ttft):.2f}x ({listed(ttft, '{:.2f}')}) | "
+                f"{listed([b[2] for b in before], '{:.0%}')} | {listed([a[2] for a in after], '{:.0%}')} |")
+table = "\n".join(rows)
+(out / "summary.md").write_text(table + "\n")
+print(table)
+EOF
