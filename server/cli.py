@@ -209,17 +209,14 @@ def http_stack() -> tuple[int, str]:
     return logging.INFO, "HTTP on httptools and uvloop"
 
 
-def serve(args, settings: Settings, channel=None, balancer_end=None) -> int:
-    """Runs uvicorn with the app until it is told to stop; 1 if the model could not be loaded.
-    With ``balancer_end``, an API worker's end of the parent's ``Balancer``, it serves the
-    connections handed over it instead of listening itself."""
+def serve(args, settings: Settings, channel=None, sockets=None) -> int:
+    """Runs uvicorn with the app until it is told to stop; 1 if the model could not be loaded."""
     import uvicorn
 
     if channel is None or channel.worker == 0:
         log.log(*http_stack())
 
     from .app import create_app
-    from .balancer import WorkerServer
     from .shutdown import DrainingServer, drain
 
     failed: list[str] = []
@@ -230,30 +227,25 @@ def serve(args, settings: Settings, channel=None, balancer_end=None) -> int:
 
     app = create_app(settings=settings, loader=make_loader(args, settings, channel), on_load_error=stop_on_load_error)
     # uvicorn's own grace period only covers what the drain left: connections still open after it
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=log_config(settings.log_level),
-                            access_log=False, timeout_graceful_shutdown=5)
-
-    def drain_app():
-        return drain(app.state.services, settings.shutdown_timeout)
-
-    server = (DrainingServer(config, drain_app) if balancer_end is None
-              else WorkerServer(config, drain_app, balancer_end))
-    server.run()
+    server = DrainingServer(uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_config=log_config(settings.log_level),
+        access_log=False, timeout_graceful_shutdown=5),
+        drain=lambda: drain(app.state.services, settings.shutdown_timeout))
+    server.run(sockets=sockets)
     if failed:
         log.error("exiting: the model could not be loaded", extra={"fields": {"error": failed[0]}})
         return 1
     return 0
 
 
-def _api_worker(argv: list[str], channel, balancer_end) -> None:
+def _api_worker(argv: list[str], channel, sock) -> None:
     args = parse_args(argv)
     configure_logging(args.log_level)
-    sys.exit(serve(args, settings_from(args), channel=channel, balancer_end=balancer_end))
+    sys.exit(serve(args, settings_from(args), channel=channel, sockets=[sock]))
 
 
 def serve_workers(args, argv: list[str], settings: Settings) -> int:
-    """One engine process, ``args.api_workers`` HTTP processes, and this one accepting connections
-    for them (server/balancer.py)."""
+    """One engine process, ``args.api_workers`` HTTP processes sharing the listening socket."""
     import glob
     import multiprocessing as mp
     import shutil
@@ -265,8 +257,6 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
 
     from server.engine import EngineConfig
     from server.engine.process import start_shared_core, stop_core
-
-    from .balancer import Balancer
 
     # counters and histograms summed over the workers (server/metrics.py)
     metrics_dir = None
@@ -280,18 +270,13 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
                                        EngineConfig(**engine_options(args)), args.api_workers,
                                        log_config(args.log_level))
     ctx = mp.get_context("spawn")
-    balancer = Balancer(sock, args.api_workers)
-    workers = [ctx.Process(target=_api_worker, args=(argv, channel, balancer.worker_ends[channel.worker]),
-                           name=f"api-worker-{channel.worker}")
+    workers = [ctx.Process(target=_api_worker, args=(argv, channel, sock), name=f"api-worker-{channel.worker}")
                for channel in channels]
     for worker in workers:
         worker.start()
-    for channel, end in zip(channels, balancer.worker_ends):
+    for channel in channels:
         channel.outbox.close()                     # each worker holds its pipe's only reading end now
-        end.close()                                # and its only end of the balancer's pair
-    balancer.start()
-    log.info("engine process %d, API worker processes %s; connections go to the worker with the fewest open",
-             core.pid, [w.pid for w in workers])
+    log.info("engine process %d, API worker processes %s", core.pid, [w.pid for w in workers])
     signals: list[int] = []
 
     def on_signal(signum, frame):
@@ -318,7 +303,6 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
                 worker.kill()
                 worker.join(timeout=5)
         stop_core(core, channels[0].inbox)
-        balancer.stop()
         sock.close()
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)

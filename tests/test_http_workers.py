@@ -28,11 +28,6 @@ async def stream(client: httpx.AsyncClient, url: str, new_tokens: int) -> list[d
 def test_two_workers_share_one_engine_and_their_metrics(start_server):
     server = start_server("--api-workers", "2")
     requests, new_tokens = 8, 6
-    deadline = time.monotonic() + 60
-    while server.log_path.read_text(errors="replace").count("Application startup complete") < 2:
-        assert time.monotonic() < deadline                 # /health answered from one worker
-        time.sleep(0.1)
-    time.sleep(0.5)                                        # and the other's ready notice reached the parent
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
@@ -43,12 +38,7 @@ def test_two_workers_share_one_engine_and_their_metrics(start_server):
         assert [e["index"] for e in events] == list(range(1, new_tokens + 1))
         assert events[-1]["details"]["generated_tokens"] == new_tokens
         assert events[-1]["generated_text"] == "".join(e["token"]["text"] for e in events)
-    log_text = server.log_path.read_text(errors="replace")
-    assert log_text.count("Application startup complete") == 2
-    # the 8 concurrent streams opened 8 connections; the parent handed 4 to each worker
-    workers = [json.loads(line)["engine_request_id"].split(":")[0]
-               for line in log_text.splitlines() if '"request finished"' in line]
-    assert sorted(workers) == ["0"] * 4 + ["1"] * 4
+    assert server.log_path.read_text(errors="replace").count("Application startup complete") == 2
     # every worker's /metrics sums the counters of both
     for _ in range(4):
         text = httpx.get(server.url + "/metrics", timeout=10).text

@@ -52,6 +52,6 @@ start_server() {
     sleep 0.5
   done
   healthy || { echo "  the $label server did not become healthy:"; tail -20 "$logdir/server.log"; return 1; }
-  grep -E "prefix caching|captured prefill|KV pool|HTTP on|not installed|fewest open" "$logdir/server.log" \
+  grep -E "prefix caching|captured prefill|KV pool|HTTP on|not installed" "$logdir/server.log" \
     | sed "s/^/  $label: /" | cut -c1-220
 }
