@@ -16,6 +16,11 @@ turn resending the conversation so far plus a new question. The report gives the
 tokens the server said it served from its prefix cache (``usage.prompt_tokens_details.cached_tokens``,
 TGI ``details.cached_tokens``).
 
+Every request asks for ``--output-len`` tokens unless ``--output-range r`` draws each one's length
+in [L(1-r), L(1+r)] (vLLM's ``--random-range-ratio``). With one length for all, a closed loop's
+streams that start together are prefilled together, finish together and come back together, so
+they fall into waves whose size depends on the run's early history.
+
 Results go to ``--out-dir``: ``results.json``, ``report.md`` (also printed) and PNG plots.
 ``--engine-json`` puts the offline engine benchmark's tokens/s beside each concurrency (rows
 ``{"batch", "tok_per_s"}`` under ``"ours"``, as ``load_tests/engine_bench.py --out`` writes them;
@@ -62,7 +67,7 @@ import httpx
 
 from .backends import BACKENDS, Backend
 from .metrics import RequestResult, parse_slos, summarize
-from .prompts import PromptSource, load_tokenizer
+from .prompts import PromptSource, lengths_around, load_tokenizer
 
 log = logging.getLogger("loadgen")
 
@@ -178,26 +183,29 @@ def _progress(total: int, desc: str, enabled: bool):
 TURN_SEPARATOR = "\n\n"
 
 
-def make_items(source: PromptSource, count: int, input_len: int, input_range: float = 0.0,
-               shared_prefix: tuple[str, int] | None = None, turns: int = 1) -> list[list[tuple[str, int]]]:
-    """Work for ``count`` requests: conversations of ``turns`` (question, target tokens) each (one
-    turn: independent prompts), every request starting with ``shared_prefix`` (text, tokens) if given."""
+def make_items(source: PromptSource, count: int, input_len: int, output_len: int, input_range: float = 0.0,
+               output_range: float = 0.0, shared_prefix: tuple[str, int] | None = None,
+               turns: int = 1) -> list[list[tuple[str, int, int]]]:
+    """Work for ``count`` requests: conversations of ``turns`` (question, its tokens, tokens to
+    generate) each (one turn: independent prompts), every request starting with ``shared_prefix``
+    (text, tokens) if given."""
     items = []
     for _ in range(-(-count // turns)):
         questions = source.batch(turns, input_len, input_range)
         if shared_prefix is not None:
             text, n = shared_prefix
             questions[0] = (text + " " + questions[0][0], n + questions[0][1])
-        items.append(questions)
+        outputs = lengths_around(output_len, output_range, turns, source.rng)
+        items.append([(question, qlen, out) for (question, qlen), out in zip(questions, outputs)])
     return items
 
 
-async def _run_share(level: Level, backend: Backend, base_url: str, prompts: list[list[tuple[str, int]]],
-                     max_tokens: int, headers: dict, *, request_timeout: float, max_duration: float,
+async def _run_share(level: Level, backend: Backend, base_url: str, prompts: list[list[tuple[str, int, int]]],
+                     headers: dict, *, request_timeout: float, max_duration: float,
                      seed: int, start_at: float, on_done=None) -> tuple[list[RequestResult], float, float]:
     """One process's share of a level, starting at ``start_at`` (a ``time.perf_counter()`` value,
     the same clock in every process). ``prompts``: conversations, each a list of turns (question,
-    target tokens); a turn sends the conversation so far (questions and answers) plus its question,
+    its tokens, tokens to generate); a turn sends the conversation so far (questions and answers) plus its question,
     after the previous turn ended. Returns (results, end time, CPU seconds used)."""
     url = base_url.rstrip("/") + backend.path
     width = max(1, level.concurrency or level.max_concurrency or len(prompts))
@@ -209,9 +217,9 @@ async def _run_share(level: Level, backend: Backend, base_url: str, prompts: lis
         cpu0 = time.process_time()
         deadline = start_at + max_duration
 
-        async def one(turns: list[tuple[str, int]]) -> None:
+        async def one(turns: list[tuple[str, int, int]]) -> None:
             history, history_len = "", 0
-            for k, (question, qlen) in enumerate(turns):
+            for k, (question, qlen, max_tokens) in enumerate(turns):
                 if k and time.perf_counter() >= deadline:
                     break
                 prompt = history + question
@@ -286,8 +294,8 @@ def split_level(level: Level, workers: int) -> list[Level]:
                   max_concurrency=cap) for cap in caps]
 
 
-def run_level(level: Level, backend: Backend, base_url: str, prompts: list[list[tuple[str, int]]],
-              max_tokens: int, headers: dict, *, request_timeout: float, max_duration: float,
+def run_level(level: Level, backend: Backend, base_url: str, prompts: list[list[tuple[str, int, int]]],
+              headers: dict, *, request_timeout: float, max_duration: float,
               seed: int, progress: bool, workers: int = 1) -> tuple[list[RequestResult], float, float]:
     """Run ``prompts`` (conversations, see ``_run_share``) at one level, in this process or spread
     over ``workers`` processes (one
@@ -295,7 +303,7 @@ def run_level(level: Level, backend: Backend, base_url: str, prompts: list[list[
     Returns (results, duration in s, client CPU in cores)."""
     workers = max(1, min(workers, level.concurrency or level.max_concurrency or workers, len(prompts)))
     bar = _progress(sum(len(turns) for turns in prompts), level.label, progress)
-    common = dict(backend=backend, base_url=base_url, max_tokens=max_tokens, headers=headers,
+    common = dict(backend=backend, base_url=base_url, headers=headers,
                   request_timeout=request_timeout, max_duration=max_duration)
     if workers == 1:
         start_at = time.perf_counter()
@@ -498,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument("--input-range", type=float, default=0.0,
                      help="prompt lengths drawn uniformly in input-len x [1-r, 1+r]")
     req.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    req.add_argument("--output-range", type=float, default=0.0,
+                     help="output lengths drawn uniformly in output-len x [1-r, 1+r], per request (with "
+                          "one length for all, streams that start together finish together and stay in step)")
     req.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                      help="every request starts with the same N tokens, then --input-len of its own")
     req.add_argument("--multi-turn", type=int, default=1, metavar="TURNS",
@@ -554,9 +565,9 @@ def benchmark(args, base_url: str, headers: dict, source: PromptSource, backend:
               levels: list[Level], slos: dict) -> list[dict]:
     prefix = (source.make(args.shared_prefix), args.shared_prefix) if args.shared_prefix else None
     if args.warmup > 0:
-        prompts = make_items(source, args.warmup, args.input_len, shared_prefix=prefix)
+        prompts = make_items(source, args.warmup, args.input_len, args.output_len, shared_prefix=prefix)
         warm, _, _ = run_level(Level("concurrency", concurrency=args.warmup), backend, base_url, prompts,
-                               args.output_len, headers, request_timeout=args.request_timeout,
+                               headers, request_timeout=args.request_timeout,
                                max_duration=args.request_timeout, seed=args.seed, progress=False)
         bad = [r for r in warm if not r.ok]
         if bad:
@@ -568,10 +579,10 @@ def benchmark(args, base_url: str, headers: dict, source: PromptSource, backend:
 
     out = []
     for i, level in enumerate(levels):
-        prompts = make_items(source, level_size(level, args), args.input_len, args.input_range, prefix,
-                             args.multi_turn)
+        prompts = make_items(source, level_size(level, args), args.input_len, args.output_len, args.input_range,
+                             args.output_range, prefix, args.multi_turn)
         results, duration, cpu = run_level(
-            level, backend, base_url, prompts, args.output_len, headers,
+            level, backend, base_url, prompts, headers,
             request_timeout=args.request_timeout, max_duration=args.max_duration,
             seed=args.seed + i, progress=not args.no_progress, workers=args.workers)
         summary = summarize(results, duration, args.percentiles, slos, expect_length=args.ignore_eos,
@@ -599,6 +610,9 @@ def run(args) -> int:
         raise SystemExit("--input-len, --output-len, --workers and --multi-turn must be >= 1")
     if args.shared_prefix < 0:
         raise SystemExit("--shared-prefix must be >= 0")
+    if not (0 <= args.input_range < 1 and 0 <= args.output_range < 1):
+        raise SystemExit(f"--input-range and --output-range must be in [0, 1), not {args.input_range} "
+                         f"and {args.output_range}")
 
     out_dir = Path(args.out_dir or f"results/loadgen-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

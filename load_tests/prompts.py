@@ -169,6 +169,13 @@ def load_tokenizer(spec: str) -> Tokenizer | None:
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def lengths_around(length: int, range_ratio: float, count: int, rng: random.Random) -> list[int]:
+    """``count`` lengths drawn uniformly in [L(1-r), L(1+r)] (each ``length`` where r is 0)."""
+    lo = max(1, round(length * (1 - range_ratio)))
+    hi = max(lo, round(length * (1 + range_ratio)))
+    return [rng.randint(lo, hi) for _ in range(count)]
+
+
 class PromptSource:
     """Makes prompts of ``length`` tokens from ``text`` (the built-in corpus by default)."""
 
@@ -220,7 +227,4 @@ class PromptSource:
     def batch(self, count: int, length: int, range_ratio: float = 0.0) -> list[tuple[str, int]]:
         """``count`` (prompt, target length) pairs; with ``range_ratio`` r the lengths are drawn
         uniformly in [L(1-r), L(1+r)]."""
-        lo = max(1, round(length * (1 - range_ratio)))
-        hi = max(lo, round(length * (1 + range_ratio)))
-        lengths = [self.rng.randint(lo, hi) for _ in range(count)]
-        return [(self.make(n), n) for n in lengths]
+        return [(self.make(n), n) for n in lengths_around(length, range_ratio, count, self.rng)]

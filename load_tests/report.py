@@ -85,7 +85,9 @@ def markdown(doc: dict) -> str:
     sampling = "greedy" if cfg["temperature"] <= 0 else f"temperature {cfg['temperature']:g}"
     lines.append(f"- Prompts: {cfg['input_len']} tokens ({cfg['prompt_lengths']} lengths"
                  + (f", ±{cfg['input_range']:.0%}" if cfg["input_range"] else "")
-                 + f"); output: {cfg['output_len']} tokens ({eos}, {sampling}).")
+                 + f"); output: {cfg['output_len']} tokens"
+                 + (f" ±{cfg['output_range']:.0%}" if cfg.get("output_range") else "")
+                 + f" ({eos}, {sampling}).")
     if cfg.get("shared_prefix"):
         lines.append(f"- Every request starts with the same {cfg['shared_prefix']} tokens, then its own prompt.")
     if cfg.get("multi_turn", 1) > 1:
@@ -156,7 +158,8 @@ def markdown(doc: dict) -> str:
         text += (f"the stream's chunks are a lower bound (a chunk may carry several tokens; --logprobs makes "
                  f"the count exact): {merged} requests had such chunks, {mismatched} streamed more than reported")
     if cfg["ignore_eos"]:
-        text += f"; {completed - wrong_len} of {completed} generated exactly {cfg['output_len']} tokens"
+        asked = "the tokens asked" if cfg.get("output_range") else f"{cfg['output_len']} tokens"
+        text += f"; {completed - wrong_len} of {completed} generated exactly {asked}"
     lines.append(text + ".")
     for problem in problems(doc):
         lines.append(f"- **{problem}**")

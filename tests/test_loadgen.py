@@ -396,6 +396,29 @@ def test_shared_prefix_and_multi_turn_prompts_and_the_cached_share(fake_server, 
     assert "conversations of 3 turns" in (tmp_path / "chat" / "report.md").read_text()
 
 
+def test_output_lengths_drawn_around_the_mean_and_each_request_checked_against_its_own(fake_server, tmp_path):
+    base_url, state = fake_server
+    state["tgi_bodies"].clear()
+    rc = _run(base_url, tmp_path, "--concurrency", "4", "--num-prompts", "32", "--output-len", "20",
+              "--output-range", "0.5", "--no-plots")
+    assert rc == 0
+    asked = [b["parameters"]["max_new_tokens"] for b in state["tgi_bodies"][1:]]   # after the warm-up
+    assert len(asked) == 32 and all(10 <= n <= 30 for n in asked) and len(set(asked)) > 5
+    assert state["tgi_bodies"][0]["parameters"]["max_new_tokens"] == 20            # the warm-up: the mean
+    (level,) = _load(tmp_path)["levels"]
+    assert sorted(r["max_tokens"] for r in level["requests"]) == sorted(asked)
+    assert level["summary"]["token_check"]["not_requested_length"] == 0
+    assert level["summary"]["total_output_tokens"] == sum(asked)
+    md = (tmp_path / "report.md").read_text()
+    assert "output: 20 tokens ±50%" in md and "generated exactly the tokens asked" in md
+
+
+@pytest.mark.parametrize("flag", ["--input-range", "--output-range"])
+def test_length_ranges_outside_zero_to_one_are_refused(flag, tmp_path):
+    with pytest.raises(SystemExit, match=r"must be in \[0, 1\), not"):
+        _run("http://127.0.0.1:9", tmp_path, "--concurrency", "1", flag, "1.0")
+
+
 def test_request_rate_mode_with_openai_completions(fake_server, tmp_path):
     base_url, _ = fake_server
     rc = _run(base_url, tmp_path, "--backend", "openai", "--request-rate", "200,inf", "--burstiness", "0.5",

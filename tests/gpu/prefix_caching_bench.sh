@@ -12,6 +12,8 @@
 #
 #   bash tests/gpu/prefix_caching_bench.sh OUT_DIR
 #   LEVELS="none" ROUNDS=3 bash tests/gpu/prefix_caching_bench.sh OUT_DIR     # nothing shared only
+#   OUTPUT_RANGE=0.5 bash tests/gpu/prefix_caching_bench.sh OUT_DIR   # output lengths 128-384: with one
+#       length for all, streams that start together stay in step, in waves of varying size
 #   MODELS=random:tiny DEVICE=cpu PREFIX=64 OWN=8 OUTPUT=4 REQUESTS=8 SECONDS_PER_LEVEL=5 TURNS=2 bash tests/gpu/prefix_caching_bench.sh /tmp/p
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -1,6 +1,7 @@
 # Two servers side by side, loaded in turns: the helpers the server benchmarks share
 # (prefix_caching_bench.sh, http_before_after.sh). Source it from the repository root after
-# setting OUTPUT, WORKERS, SECONDS_PER_LEVEL and DEVICE.
+# setting OUTPUT, WORKERS, SECONDS_PER_LEVEL and DEVICE; OUTPUT_RANGE r (default 0) draws each
+# request's output length in OUTPUT x [1-r, 1+r].
 #
 #   start_server LABEL DIR TREE FRACTION [server flags...]   # a server of TREE's code, its log in DIR;
 #                                                            # sets server_LABEL and port_LABEL
@@ -28,7 +29,7 @@ loadgen() {
   local name=$1; shift
   local first; first=$(wc -l < "$dir/server.log")
   pinned "$CLIENT_CPUS" timeout 600 python3 -m load_tests.loadgen --base-url "http://127.0.0.1:$port" --output-len "$OUTPUT" \
-      --warmup 2 --no-progress --no-plots --workers "$WORKERS" --max-duration "$SECONDS_PER_LEVEL" \
+      --output-range "${OUTPUT_RANGE:-0}" --warmup 2 --no-progress --no-plots --workers "$WORKERS" --max-duration "$SECONDS_PER_LEVEL" \
       --out-dir "$dir/$name" "$@" > "$dir/$name.log" 2>&1 \
     || { echo "loadgen $name failed:"; tail -5 "$dir/$name.log"; }
   # the server's own timings of this run's requests (its request log), the two warm-ups left out
