@@ -205,8 +205,8 @@ async def _run_share(level: Level, backend: Backend, base_url: str, prompts: lis
                      seed: int, start_at: float, on_done=None) -> tuple[list[RequestResult], float, float]:
     """One process's share of a level, starting at ``start_at`` (a ``time.perf_counter()`` value,
     the same clock in every process). ``prompts``: conversations, each a list of turns (question,
-    its tokens, tokens to generate); a turn sends the conversation so far (questions and answers) plus its question,
-    after the previous turn ended. Returns (results, end time, CPU seconds used)."""
+    its tokens, tokens to generate); a turn sends the conversation so far (questions and answers)
+    plus its question, after the previous turn ended. Returns (results, end time, CPU seconds used)."""
     url = base_url.rstrip("/") + backend.path
     width = max(1, level.concurrency or level.max_concurrency or len(prompts))
     limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)

@@ -76,28 +76,26 @@ def read(paths) -> list[Timeline]:
     return sorted(found, key=lambda t: t.sent)
 
 
+def runs(timelines: list[Timeline], gap_s: float, at=lambda t: t.sent) -> list[list[Timeline]]:
+    """The timelines in order of ``at``, cut into runs where one comes ``gap_s`` or more after the one before."""
+    found: list[list[Timeline]] = []
+    for t in sorted(timelines, key=at):
+        if found and at(t) - at(found[-1][-1]) < gap_s:
+            found[-1].append(t)
+        else:
+            found.append([t])
+    return found
+
+
 def bursts(timelines: list[Timeline], gap_s: float) -> list[list[Timeline]]:
     """Runs of requests sent less than ``gap_s`` after the one before."""
-    runs: list[list[Timeline]] = []
-    for t in timelines:
-        if runs and t.sent - runs[-1][-1].sent < gap_s:
-            runs[-1].append(t)
-        else:
-            runs.append([t])
-    return runs
+    return runs(timelines, gap_s)
 
 
 def prefill_groups(timelines: list[Timeline], gap_s: float = 5e-4) -> Counter:
     """{requests served by one prefill step: how many steps}, a step being a run of requests whose
     first tokens left the engine less than ``gap_s`` after the one before."""
-    steps, last = [], None
-    for t in sorted(timelines, key=lambda t: t.engine_first):
-        if last is not None and t.engine_first - last < gap_s:
-            steps[-1] += 1
-        else:
-            steps.append(1)
-        last = t.engine_first
-    return Counter(steps)
+    return Counter(len(step) for step in runs(timelines, gap_s, at=lambda t: t.engine_first))
 
 
 def median_ms(timelines, leg: str) -> float:
@@ -118,11 +116,12 @@ def report(timelines: list[Timeline], gap_s: float = 3e-3, ranks: int = 16) -> s
         lines.append(f"| worker {worker} ({len(mine)}) | " + " | ".join(f"{median_ms(mine, leg):.2f}" for leg in LEGS)
                      + " |")
     groups = prefill_groups(timelines)
+    sent_together = bursts(timelines, gap_s)
     lines += ["", "requests a prefill step served: " + ", ".join(f"{n}: {c} steps" for n, c in sorted(groups.items())),
-              "burst sizes: " + ", ".join(f"{n}: {c}" for n, c in sorted(Counter(map(len, bursts(timelines, gap_s))).items()))]
+              "burst sizes: " + ", ".join(f"{n}: {c}" for n, c in sorted(Counter(map(len, sent_together)).items()))]
     by_rank = defaultdict(list)
     offsets = defaultdict(list)
-    for run in bursts(timelines, gap_s):
+    for run in sent_together:
         for rank, t in enumerate(run[:ranks]):
             by_rank[rank].append(t)
             offsets[rank].append(t.sent - run[0].sent)

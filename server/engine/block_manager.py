@@ -21,7 +21,6 @@ from array import array
 from collections import OrderedDict
 
 
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, salt: str = ""):
         if num_blocks < 1:
