@@ -160,11 +160,13 @@ class PromptEncoder:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.encode_counted(text, add_special_tokens)[0]
 
-    def encode_counted(self, text: str, add_special_tokens: bool) -> tuple[list[int], int]:
-        """The ids of ``text``, and how many of its characters a kept prompt's ids served."""
+    def encode_counted(self, text: str, add_special_tokens: bool, shared: bool = True) -> tuple[list[int], int]:
+        """The ids of ``text``, and how many of its characters a kept prompt's ids served. Not
+        ``shared`` (a request with a ``cache_salt``): the text neither uses nor joins the kept
+        prompts, so its encode time says nothing about what others sent."""
         if self.backend is None:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)), 0
-        if self.prefixes is not None:
+        if self.prefixes is not None and shared:
             return self._encode_after_kept_prefix(text)
         return self._encode_fresh(text, add_special_tokens), 0
 

@@ -38,9 +38,10 @@ def _encoder(engine):
     return prompt_encoder(engine.tokenizer, engine.config.prefix_caching)
 
 
-async def encode_text(engine, text: str) -> Prompt:
+async def encode_text(engine, text: str, shared: bool = True) -> Prompt:
+    """``shared``: see ``PromptEncoder.encode_counted`` (False for a request with a cache_salt)."""
     started, started_epoch = time.perf_counter(), time.time()
-    ids, reused = await run_in_threadpool(_encoder(engine).encode_counted, text, True)
+    ids, reused = await run_in_threadpool(_encoder(engine).encode_counted, text, True, shared)
     return Prompt(ids, text, time.perf_counter() - started, started_epoch, reused)
 
 
@@ -48,7 +49,7 @@ def _render_chat(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-async def encode_chat(engine, messages: list[dict]) -> Prompt:
+async def encode_chat(engine, messages: list[dict], shared: bool = True) -> Prompt:
     started, started_epoch = time.perf_counter(), time.time()
     try:
         text = await run_in_threadpool(_render_chat, engine.tokenizer, messages)
@@ -56,7 +57,7 @@ async def encode_chat(engine, messages: list[dict]) -> Prompt:
         raise ApiError(400, f"messages do not fit the model's chat template: {exc}",
                        param="messages") from exc
     # The template already wrote any special tokens it wants.
-    ids, reused = await run_in_threadpool(_encoder(engine).encode_counted, text, False)
+    ids, reused = await run_in_threadpool(_encoder(engine).encode_counted, text, False, shared)
     return Prompt(ids, text, time.perf_counter() - started, started_epoch, reused)
 
 
@@ -96,7 +97,7 @@ SAMPLING_EPS = 1e-5     # temperatures below this sample as greedy (vLLM's rule)
 def sampling_params(engine, *, max_new_tokens: int, temperature: float, top_p: float | None,
                     top_k: int | None, repetition_penalty: float | None, seed: int | None,
                     stop: tuple[str, ...], logprobs: bool, ignore_eos: bool, min_tokens: int = 0,
-                    stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+                    stop_token_ids: tuple[int, ...] = (), cache_salt: str | None = None) -> SamplingParams:
     """SamplingParams with degenerate values made plain: a top_k at or past the vocabulary
     (or vLLM's -1) is no cut, a vanishing temperature is greedy."""
     top_k = top_k or 0
@@ -111,7 +112,7 @@ def sampling_params(engine, *, max_new_tokens: int, temperature: float, top_p: f
                           top_p=1.0 if top_p is None else top_p, top_k=top_k,
                           repetition_penalty=repetition_penalty or 1.0, seed=seed, stop=stop,
                           logprobs=logprobs, ignore_eos=ignore_eos, min_tokens=min_tokens,
-                          stop_token_ids=frozenset(stop_token_ids))
+                          stop_token_ids=frozenset(stop_token_ids), cache_salt=cache_salt)
 
 
 def finite_or_none(x: float | None) -> float | None:

@@ -47,7 +47,8 @@ def openai_sampling(engine, body: SamplingFields, max_new_tokens: int, logprobs:
                            top_p=body.top_p, top_k=body.top_k,
                            repetition_penalty=body.repetition_penalty, seed=body.seed,
                            stop=body.stop_tuple(), logprobs=logprobs, ignore_eos=body.ignore_eos,
-                           min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()))
+                           min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
+                           cache_salt=body.cache_salt)
 
 
 def warn_ignored(body: SamplingFields, request: Request) -> None:
@@ -169,7 +170,7 @@ async def completions(body: CompletionRequest, request: Request, engine=Depends(
     check_model(body.model, engine, services)
     warn_ignored(body, request)
     if isinstance(body.prompt, str):
-        prompt = await encode_text(engine, body.prompt)
+        prompt = await encode_text(engine, body.prompt, shared=body.cache_salt is None)
     else:
         check_token_ids(body.prompt, len(engine.tokenizer))
         prompt = Prompt(list(body.prompt), await decode_ids(engine.tokenizer, body.prompt))
@@ -215,7 +216,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
                            services: Services = Depends(get_services)) -> Response:
     check_model(body.model, engine, services)
     warn_ignored(body, request)
-    prompt = await encode_chat(engine, chat_template_messages(body.messages))
+    prompt = await encode_chat(engine, chat_template_messages(body.messages), shared=body.cache_salt is None)
     max_new = plan_max_new_tokens(services, engine, prompt, body.token_limit(),
                                   services.settings.default_max_new_tokens, "max_completion_tokens")
     gen = submit(services, engine, request, prompt, openai_sampling(engine, body, max_new, body.logprobs),

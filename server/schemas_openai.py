@@ -1,7 +1,7 @@
 """Bodies of the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models).
 
 Requests accept vLLM's extension fields (min_tokens, ignore_eos, top_k, repetition_penalty,
-skip_special_tokens, stop_token_ids, stream_options.continuous_usage_stats) and ignore fields
+skip_special_tokens, stop_token_ids, cache_salt, stream_options.continuous_usage_stats) and ignore fields
 they do not know, as vLLM does (the route logs them): load generators and clients written for
 vLLM send such fields. A known field with a value this server cannot honour is still refused.
 """
@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from .schemas import (MAX_STOP_SEQUENCES, ChatMessage, FiniteFloat, Lenient, StopSequence, Strict, Text,
-                      require_neutral)
+from .schemas import (MAX_STOP_SEQUENCES, ChatMessage, FiniteFloat, Lenient, NonEmptyText, StopSequence, Strict,
+                      Text, require_neutral)
 
 TokenId = Annotated[int, Field(ge=0)]
 MAX_STOP_TOKEN_IDS = 64
@@ -47,6 +47,10 @@ class SamplingFields(Lenient):
         None, max_length=MAX_STOP_TOKEN_IDS, description="Token ids that end the generation (finish_reason "
                                                          "'stop'); the token itself is not in the text.")
     skip_special_tokens: bool = Field(True, description="false: special tokens generated show in the text.")
+    cache_salt: NonEmptyText | None = Field(
+        None, max_length=1024, description="Prefix-cache blocks are shared only among requests with the same "
+                                           "salt (and among those without one): a long random secret per "
+                                           "tenant keeps others from timing its prompts.")
     @field_validator("n")
     @classmethod
     def _n(cls, v):

@@ -86,8 +86,8 @@ def prompt(seed: int, n: int) -> list[int]:
 
 # ---- the block manager alone --------------------------------------------------------------
 
-def seq_of(tokens, name="s") -> Sequence:
-    return Sequence(name, tokens, SamplingParams(), 0)
+def seq_of(tokens, name="s", cache_salt=None) -> Sequence:
+    return Sequence(name, tokens, SamplingParams(cache_salt=cache_salt), 0)
 
 
 def computed(blocks: BlockManager, seq: Sequence) -> None:
@@ -122,6 +122,28 @@ def test_keys_are_sha256_of_the_parent_and_the_tokens_as_int64_across_prompt_and
             expected.append(parent)
         assert blocks._keys(seq, n // 2) == expected[:n // 2]      # computed in two goes, as the engine does
         assert blocks._keys(seq, n) == expected
+
+
+def test_a_cache_salt_starts_the_chain_from_the_root_hashed_with_it():
+    blocks = BlockManager(8, 2, True, salt="m")
+    salted = hashlib.sha256(blocks._root + b"cache_salt|" + "tenant é".encode()).digest()
+    data = (5).to_bytes(8, "little") + (6).to_bytes(8, "little")
+    assert blocks._keys(seq_of([5, 6, 7], cache_salt="tenant é"), 1) == [hashlib.sha256(salted + data).digest()]
+    assert blocks._keys(seq_of([5, 6, 7]), 1) == [hashlib.sha256(blocks._root + data).digest()]
+
+
+def test_blocks_are_shared_only_among_requests_with_the_same_salt():
+    blocks = BlockManager(32, 4, True)
+    tokens = list(range(10, 23))                               # three full blocks and one token
+    held = []
+    for salt in (None, "a"):
+        s = seq_of(tokens, cache_salt=salt)
+        computed(blocks, s)
+        held.append(s)
+    found = {salt: blocks.cached_prefix(seq_of(tokens, cache_salt=salt)) for salt in (None, "a", "b", "A")}
+    assert found == {None: 12, "a": 12, "b": 0, "A": 0}
+    assert not set(held[0].block_table) & set(held[1].block_table)
+    blocks.check([s.block_table for s in held])
 
 
 def test_match_shares_full_blocks_only_and_never_the_last_token():
@@ -247,6 +269,25 @@ def test_300_random_requests_with_shared_prefixes_aborts_and_preemption(tiny):
     first_time = sum(finish.cached_tokens for _, finish in on.values())
     assert stats.prefix_cache_hits > first_time                # resumed requests found their blocks again
     assert stats.kv_blocks_used == 0 and stats.running == stats.waiting == 0
+
+
+def test_a_cache_salt_isolates_and_changes_no_token(tiny):
+    core, p = make_core(tiny, True), prompt(8, 70)
+
+    def answer(name, salt):
+        events = []
+        core.publish = lambda pairs, stats: events.extend(e for _, e in pairs)
+        core.add(name, p, SamplingParams(max_new_tokens=8, ignore_eos=True, cache_salt=salt), seed=0)
+        core.run_until_idle()
+        return [e.token_id for e in events if not isinstance(e, FinishEvent)], events[-1].cached_tokens
+
+    plain, cached = answer("plain", None)
+    assert cached == 0
+    assert answer("a1", "a") == (plain, 0)
+    assert answer("a2", "a") == (plain, 64)
+    assert answer("b", "b") == (plain, 0)
+    assert answer("plain again", None) == (plain, 64)
+    core.blocks.check([])
 
 
 def test_a_failed_prefill_leaves_nothing_cached_and_the_pool_whole(tiny):

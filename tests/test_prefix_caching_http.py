@@ -1,6 +1,7 @@
 """Prefix caching as clients and operators see it, on a live server (caching on by default)."""
 
 import re
+import uuid
 
 import httpx
 import pytest
@@ -43,3 +44,31 @@ def test_a_repeated_prompt_reports_cached_tokens_everywhere(live_server, model_n
         chars = metric(after, "llm_prompt_chars_total") - metric(before, "llm_prompt_chars_total")
         reused = metric(after, "llm_prompt_chars_reused_total") - metric(before, "llm_prompt_chars_reused_total")
         assert chars >= 3 * len(SYSTEM) and 2 * (len(SYSTEM) - 600) < reused < 2 * len(SYSTEM)
+
+
+def test_a_cache_salt_shares_the_cache_only_with_the_same_salt(live_server, model_name):
+    text = f"{uuid.uuid4().hex} {SYSTEM} A question?"          # nothing of it cached yet
+
+    def cached(client, **salt):
+        r = client.post("/v1/completions", json={"model": model_name, "prompt": text, "max_tokens": 1,
+                                                 "temperature": 0, **salt})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with httpx.Client(base_url=live_server, timeout=120) as client:
+        before = client.get("/metrics").text
+        assert cached(client, cache_salt="tenant-a") == 0
+        hit = cached(client, cache_salt="tenant-a")
+        assert hit >= 128
+        assert cached(client, cache_salt="tenant-b") == 0
+        # the salted prompts' text was encoded afresh each time, not after a kept start
+        after = client.get("/metrics").text
+        assert metric(after, "llm_prompt_chars_reused_total") == metric(before, "llm_prompt_chars_reused_total")
+        assert cached(client) == 0
+        assert cached(client) == hit
+
+        empty = client.post("/v1/chat/completions", json={
+            "model": model_name, "messages": [{"role": "user", "content": "Hi"}], "cache_salt": ""})
+        assert empty.status_code == 422 and "cache_salt" in empty.text
+        tgi = client.post("/generate", json={"inputs": "Hi", "parameters": {"cache_salt": "tenant-a"}})
+        assert tgi.status_code == 422 and "cache_salt" in tgi.text

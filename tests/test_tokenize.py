@@ -148,6 +148,16 @@ def test_the_same_prompt_twice_encodes_only_past_its_last_mark(tokenizer):
     assert encoder.prefixes.hit_chars == marks(text)[-1] > len(text) - 600
 
 
+def test_a_prompt_not_shared_neither_uses_nor_joins_the_kept_prompts(tokenizer):
+    encoder = PromptEncoder(tokenizer, cached_prompts=4, mark_chars=512)
+    text, expected = CORPUS[:6000], tokenizer.encode(CORPUS[:6000])
+    assert encoder.encode_counted(text, True, shared=False) == (expected, 0)
+    assert len(encoder.prefixes) == 0
+    encoder.encode(text, True)
+    assert encoder.encode_counted(text, True, shared=False) == (expected, 0)
+    assert encoder.prefixes.hit_chars == 0 and encoder.encode_counted(text, True)[1] > 0
+
+
 def test_a_prompt_kept_again_and_dropped_leaves_no_index_entry(tokenizer):
     encoder = PromptEncoder(tokenizer, cached_prompts=2, mark_chars=64)
     texts = [CORPUS[i * 700:i * 700 + 1400] for i in range(5)]

@@ -3,7 +3,9 @@
 Blocks are handed to sequences and shared by reference count. With caching on, every full block
 whose keys and values are in the cache gets a key: SHA-256 of the parent block's key and the
 block's token ids, the chain starting from a salt naming the model, its dtype and the block size
-(a predictable hash would let one request read another's cache). A dict maps keys to blocks. A
+(a predictable hash would let one request read another's cache), and from the request's
+``cache_salt`` where it has one, so that only requests with the same salt share blocks (vLLM's
+multi-tenant isolation: nobody can time another client's prompt). A dict maps keys to blocks. A
 block nobody references keeps its key and its contents, in an LRU queue of evictable blocks; it
 is only reused, and its key dropped, when no block without contents is left. A released
 sequence's blocks join that queue deepest first, so a chain is evicted from its end and its
@@ -103,11 +105,17 @@ class BlockManager:
             if sys.byteorder == "big":
                 ids.byteswap()                       # the keys hash int64 little-endian tokens
             tokens, step = memoryview(ids.tobytes()), 8 * bs
-            parent = keys[-1] if keys else self._root
+            parent = keys[-1] if keys else self._chain_root(seq.params.cache_salt)
             for i in range(num_blocks - len(keys)):
                 parent = hashlib.sha256(parent + tokens[i * step:(i + 1) * step]).digest()
                 keys.append(parent)
         return keys[:num_blocks]
+
+    def _chain_root(self, cache_salt: str | None) -> bytes:
+        """The parent key of a sequence's first block: the pool's root, salted by the request's salt."""
+        if cache_salt is None:
+            return self._root
+        return hashlib.sha256(self._root + b"cache_salt|" + cache_salt.encode()).digest()
 
     def match(self, seq) -> int:
         """Gives ``seq`` (holding no blocks) the longest chain of cached blocks that starts its

@@ -19,6 +19,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0                 # EOS and stop_token_ids do not end the request before this many
     stop_token_ids: frozenset[int] = frozenset()   # these end the request ("stop"), as EOS does
+    # prefix-cache blocks are shared only among requests with the same salt; a secret, kept out of reprs
+    cache_salt: str | None = field(default=None, repr=False)
 
     @property
     def greedy(self) -> bool:
