@@ -61,6 +61,12 @@ def test_a_cache_salt_shares_the_cache_only_with_the_same_salt(live_server, mode
         hit = cached(client, cache_salt="tenant-a")
         assert hit >= 128
         assert cached(client, cache_salt="tenant-b") == 0
+        chat = [{"role": "system", "content": text}, {"role": "user", "content": "Hi"}]
+        for _ in range(2):
+            r = client.post("/v1/chat/completions", json={"model": model_name, "messages": chat, "max_tokens": 1,
+                                                          "cache_salt": "tenant-c"})
+            assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
         # the salted prompts' text was encoded afresh each time, not after a kept start
         after = client.get("/metrics").text
         assert metric(after, "llm_prompt_chars_reused_total") == metric(before, "llm_prompt_chars_reused_total")
