@@ -1,8 +1,8 @@
 """CPU benchmark at batch 1: our engine, transformers' ``generate`` and llama.cpp on the same GGUF.
 
-Every runner gets the same random prompt, generates greedily to the full length and is timed
-the same way: prefill tokens/s is the prompt's length over the time to the first generated
-token, decode tokens/s the remaining tokens over the time from the first to the last. The
+Every runner gets the same random prompt (a new one each run, so that our prefix cache serves
+none of it), generates greedily to the full length and is timed the same way: prefill tokens/s
+is the prompt's length over the time to the first generated token, decode tokens/s the remaining tokens over the time from the first to the last. The
 runners take turns, run after run, so load from other processes on the machine hits them all
 alike; medians over the runs are reported. Ours runs on the file's quantised weights and on
 its float (dequantised) weights; transformers on the dequantised float32 weights; llama.cpp
@@ -225,12 +225,13 @@ def main(argv=None):
             runners[name] = LlamaCpp(args.llama_python, loaded.gguf_path, threads)
         else:
             logging.warning("llama.cpp left out: no --llama-python (make bench-cpu LLAMA_CPP=1)")
-    prompt = random_prompt(args.prompt_len, loaded.config.vocab_size, seed=0)
     for fn in runners.values():
-        fn(prompt[:16], 4)                                                  # warm-up
+        fn(random_prompt(16, loaded.config.vocab_size, seed=args.repeats), 4)    # warm-up
     runs = {name: [] for name in runners}
     tokens = {}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
+        # a new prompt each run: with the same one, our prefix cache would serve its full blocks
+        prompt = random_prompt(args.prompt_len, loaded.config.vocab_size, seed=repeat)
         for name, fn in runners.items():
             prefill_s, decode_s, tokens[name] = fn(prompt, args.new_tokens)
             runs[name].append({"prefill_s": prefill_s, "decode_s": decode_s,

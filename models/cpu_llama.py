@@ -2,7 +2,9 @@
 
 Same contract as ``FusedDecoder`` and ``forward_logits``. The projections run either the
 file's quantised weights (``models.quantized``: packed int4, bfloat16 activations) or the
-model's dense float weights (in the model's dtype); the residual stream, norms, rotary
+model's dense float weights (in the model's dtype); where PyTorch runs its AVX2 kernels, a
+quantised step of many rows (a prefill, a large batch) runs the float32 weights instead, which
+are faster there (``float_rows_for_this_cpu``). The residual stream, norms, rotary
 embedding and attention stay in the KV cache's dtype (float32 by default). Query and key
 heads are kept in the interleaved-pair layout of the GGUF file (so the rotary embedding is one
 complex multiply); dense rotate-half weights are permuted into it once. Attention scores are
@@ -40,13 +42,31 @@ def decode_parallel_bytes() -> int:
     return 4 << 20 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 0
 
 
+# PyTorch's int4 matmul on its AVX2 kernels takes time almost in proportion to the rows: a float32
+# matmul of the same weights is slower at 8 rows, faster from about 16 and 2.5x faster at 128
+# (2 cores, AMD EPYC without AVX-512: docs/cpu.md, AVX2 hosts). Its AVX-512 kernels keep up with
+# float32 at prefill's rows.
+FLOAT_ROWS = 16
+
+
+def float_rows_for_this_cpu() -> int | None:
+    """The rows from which a quantised step runs its float32 weights on this CPU, or None (never)."""
+    return FLOAT_ROWS if torch.backends.cpu.get_cpu_capability() == "AVX2" else None
+
+
 def interleave_rows(num_heads: int, head_dim: int) -> np.ndarray:
     """Row order taking rotate-half heads (pairs i, i + D/2) to interleaved ones (2i, 2i + 1)."""
     return np.arange(num_heads * head_dim).reshape(num_heads, 2, head_dim // 2).transpose(0, 2, 1).reshape(-1)
 
 
 class CpuLlama:
-    def __init__(self, model, layers, embed, head, final_norm: torch.Tensor, max_positions: int, describe: str):
+    def __init__(self, model, layers, embed, head, final_norm: torch.Tensor, max_positions: int, describe: str,
+                 float_projections=None, float_rows: int | None = None):
+        """``float_projections``: (each layer's (qkv, o, gate_up, down), head) on float32 weights,
+        run by steps of at least ``float_rows`` rows (the head by its own rows)."""
+        if (float_projections is None) != (float_rows is None):
+            raise ValueError(f"float_projections and float_rows go together: projections "
+                             f"{'given' if float_projections is not None else 'None'}, float_rows {float_rows!r}")
         cfg = model.config
         self.num_q_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -58,6 +78,12 @@ class CpuLlama:
         norm = lambda w: _RmsNorm(w, self.eps)
         self.layers = [(norm(n_in), qkv, o, norm(n_post), gate_up, down) for n_in, qkv, o, n_post, gate_up, down in layers]
         self.final_norm = norm(final_norm)
+        self.float_rows = float_rows
+        self.float_layers = self.float_head = None
+        if float_projections is not None:
+            projections, self.float_head = float_projections
+            self.float_layers = [(n_in, qkv, o, n_post, gate_up, down) for (n_in, _, _, n_post, _, _), (qkv, o, gate_up, down)
+                                 in zip(self.layers, projections)]
         self.describe = describe
         positions = torch.arange(max_positions).unsqueeze(0)
         cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
@@ -181,7 +207,9 @@ class CpuLlama:
                                    batch.kv_caches[0][0].shape[2])
             rotary = rotary * self.qk_scale                                     # q pre-scaled: [T, Hq + Hkv, D/2]
         residual = self.embed(ids).to(kv_dtype)
-        for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(self.layers):
+        many = self.float_rows is not None and tokens >= self.float_rows
+        for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(
+                self.float_layers if many else self.layers):
             k_cache, v_cache = batch.kv_caches[i]
             k_scale, v_scale = batch.layer_scales(i)
             qkv = matmul(qkv_proj, norm_in(residual, qkv_proj.act_dtype))
@@ -202,7 +230,8 @@ class CpuLlama:
             residual = _add(residual, matmul(down_proj, F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])))
         if logits_rows is not None:
             residual = residual[logits_rows]
-        return matmul(self.head, self.final_norm(residual, self.head.act_dtype)).float()
+        head = self.float_head if self.float_rows is not None and residual.shape[0] >= self.float_rows else self.head
+        return matmul(head, self.final_norm(residual, head.act_dtype)).float()
 
 
 class _RmsNorm:
@@ -277,8 +306,9 @@ def gguf_unsupported_reason(model, tensors: dict[str, GgufTensor], arch: str) ->
     return None
 
 
-def from_gguf(model, path: Path, max_positions: int) -> CpuLlama:
-    """The model step on the file's own quantised weights."""
+def from_gguf(model, path: Path, max_positions: int, float_rows: int | None = None) -> CpuLlama:
+    """The model step on the file's own quantised weights; steps of at least ``float_rows`` rows
+    on the model's float32 weights (None: none)."""
     arch, tensors = read_gguf(path)
     reason = gguf_unsupported_reason(model, tensors, arch)
     if reason is not None:
@@ -304,7 +334,15 @@ def from_gguf(model, path: Path, max_positions: int) -> CpuLlama:
     nbytes = sum(lin.nbytes for lin in _flatten(all_linears))
     describe = (f"quantized from {path.name} ({', '.join(kinds)}; {nbytes / 1e6:.0f} MB of projection weights, "
                 f"{dense} dense): int4 matmuls with bfloat16 activations")
-    return CpuLlama(model, layers, embed, head, f32("output_norm.weight"), max_positions, describe)
+    float_projections = None
+    if float_rows is not None:
+        if model.dtype != torch.float32:
+            raise ValueError(f"float_rows needs the model's float32 weights, not {model.dtype}")
+        float_projections = _float_projections(model)
+        describe += (f"; steps of {float_rows} rows or more on the float32 weights (faster on this CPU's "
+                     f"{torch.backends.cpu.get_cpu_capability()} kernels: docs/cpu.md)")
+    return CpuLlama(model, layers, embed, head, f32("output_norm.weight"), max_positions, describe,
+                    float_projections, float_rows)
 
 
 def _flatten(linears):
@@ -312,24 +350,31 @@ def _flatten(linears):
         yield from (lin.parts if isinstance(lin, _Rows) else [lin])
 
 
-def from_dense(model, max_positions: int) -> CpuLlama:
-    """The model step on the model's own float weights (its dtype)."""
+def _float_projections(model):
+    """Each layer's (qkv, o, gate_up, down) and the LM head on the model's own weights (its dtype),
+    query and key rows in the step's interleaved order."""
     cfg = model.config
-    core = model.model
     d = head_dim_of(cfg)
     q_rows = torch.from_numpy(interleave_rows(cfg.num_attention_heads, d))
     k_rows = torch.from_numpy(interleave_rows(cfg.num_key_value_heads, d))
-    dtype = core.embed_tokens.weight.dtype
-    dense = lambda w: _act_dtype(DenseLinear(w.contiguous()), dtype)
-    layers = []
-    for layer in core.layers[:cfg.num_hidden_layers]:
+    dense = lambda w: _act_dtype(DenseLinear(w.contiguous()), model.model.embed_tokens.weight.dtype)
+    projections = []
+    for layer in model.model.layers[:cfg.num_hidden_layers]:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([attn.q_proj.weight[q_rows], attn.k_proj.weight[k_rows], attn.v_proj.weight])
-        layers.append((layer.input_layernorm.weight, dense(qkv), dense(attn.o_proj.weight),
-                       layer.post_attention_layernorm.weight,
-                       dense(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), dense(mlp.down_proj.weight)))
+        projections.append((dense(qkv), dense(attn.o_proj.weight),
+                            dense(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), dense(mlp.down_proj.weight)))
+    return projections, dense(model.lm_head.weight)
+
+
+def from_dense(model, max_positions: int) -> CpuLlama:
+    """The model step on the model's own float weights (its dtype)."""
+    core = model.model
+    projections, head = _float_projections(model)
+    layers = [(layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down)
+              for layer, (qkv, o, gate_up, down) in zip(core.layers, projections)]
+    dtype = core.embed_tokens.weight.dtype
     embed_weight = core.embed_tokens.weight
-    head = dense(model.lm_head.weight)
     describe = f"float ({dtype}, {sum(p.numel() for p in model.parameters()) * embed_weight.element_size() / 1e6:.0f} MB)"
     return CpuLlama(model, layers, lambda ids: F.embedding(ids, embed_weight), head, core.norm.weight,
                     max_positions, describe)
@@ -358,7 +403,8 @@ def cpu_forward(model, gguf_path: Path | None, mode: str, max_positions: int) ->
                              "quantised file")
         return from_dense(model, max_positions)
     try:
-        return from_gguf(model, gguf_path, max_positions)
+        return from_gguf(model, gguf_path, max_positions,
+                         float_rows_for_this_cpu() if model.dtype == torch.float32 else None)
     except ValueError as e:
         if mode == "quantized":
             raise

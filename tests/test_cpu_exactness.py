@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from models import AttentionBatch, cpu_forward, load_model
+from models.cpu_llama import FLOAT_ROWS, from_gguf
 from models.cpu_threads import ALL_THREADS, ONE_THREAD
+from models.quantized import DenseLinear, Int4Linear
 from server.engine import Engine, EngineConfig, SamplingParams
 from server.engine.block_manager import BlockManager
 from server.engine.model_runner import ModelRunner
@@ -102,7 +104,7 @@ def test_quantized_path_runs_the_files_weights(fp32):
 def test_teacher_forced_logits_within_bf16_rounding(fp32, bf16, tokens):
     prefill = tokens[:TOKENS]
     reference = prefill_all_logits(cpu_forward(fp32.model, None, "float", 512), prefill, torch.float32)
-    quantized = prefill_all_logits(cpu_forward(fp32.model, fp32.gguf_path, "quantized", 512), prefill, torch.float32)
+    quantized = prefill_all_logits(from_gguf(fp32.model, fp32.gguf_path, 512), prefill, torch.float32)   # int4 on any CPU
     low = prefill_all_logits(cpu_forward(bf16.model, None, "float", 512), prefill, torch.bfloat16)
     err_q, err_low = (quantized - reference).abs().max().item(), (low - reference).abs().max().item()
     assert err_q <= 2 * err_low, (err_q, err_low)
@@ -115,6 +117,59 @@ def test_teacher_forced_logits_within_bf16_rounding(fp32, bf16, tokens):
     assert err_qd <= 2 * err_lowd, (err_qd, err_lowd)
     assert torch.allclose(ref_d[0], reference[-1], atol=1e-3)     # the decode steps continue that prefill
     print(f"max |logit error| prefill {err_q:.3f} (bf16 run {err_low:.3f}), decode {err_qd:.3f} ({err_lowd:.3f})")
+
+
+def count_matmuls(monkeypatch) -> dict:
+    """Calls of the int4 and the dense projections from now on."""
+    counts = {"int4": 0, "dense": 0}
+    for kind, cls in (("int4", Int4Linear), ("dense", DenseLinear)):
+        original = cls.__call__
+        monkeypatch.setattr(cls, "__call__", lambda self, x, kind=kind, original=original:
+                            (counts.__setitem__(kind, counts[kind] + 1), original(self, x))[1])
+    return counts
+
+
+def test_steps_of_many_rows_run_the_float32_weights(fp32, tokens, monkeypatch):
+    """With ``float_rows`` (on PyTorch's AVX2 kernels) a quantised step of that many rows or more
+    runs the model's float32 weights, so its logits are the float step's; shorter steps and a
+    prefill's head over fewer rows run the int4 weights."""
+    float_step = cpu_forward(fp32.model, None, "float", 512)
+    step = from_gguf(fp32.model, fp32.gguf_path, 512, float_rows=FLOAT_ROWS)
+    int4_step = from_gguf(fp32.model, fp32.gguf_path, 512)
+    counts = count_matmuls(monkeypatch)
+    many = tokens[:FLOAT_ROWS + 5]
+    got = prefill_all_logits(step, many, torch.float32)
+    assert counts == {"int4": 0, "dense": 4 * len(step.layers) + 1}, counts
+    want = prefill_all_logits(float_step, many, torch.float32)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+
+    few = tokens[:FLOAT_ROWS - 1]
+    counts.update(int4=0, dense=0)
+    got = prefill_all_logits(step, few, torch.float32)
+    assert counts == {"int4": 4 * len(step.layers) + 1, "dense": 0}, counts
+    assert torch.equal(got, prefill_all_logits(int4_step, few, torch.float32))
+
+    counts.update(int4=0, dense=0)                  # the layers on float32, the head on one row: int4
+    n = len(many)
+    shape = kernels.cache_shape(4, step.num_kv_heads, 16, step.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in step.layers]
+    positions = torch.arange(n, dtype=torch.int32)
+    batch = AttentionBatch(caches, positions, torch.arange(4, dtype=torch.int32).view(1, -1),
+                           torch.tensor([n], dtype=torch.int32), is_decode=False, query_starts=[0, n], context_lens=[0])
+    with torch.inference_mode():
+        step(torch.tensor([many], dtype=torch.int32), positions.view(1, -1), batch, logits_rows=torch.tensor([n - 1]))
+    assert counts == {"int4": 1, "dense": 4 * len(step.layers)}, counts
+
+
+@pytest.mark.parametrize("capability, rows", [("AVX2", FLOAT_ROWS), ("AVX512", None), ("DEFAULT", None)])
+def test_the_float32_weights_serve_many_rows_on_avx2_kernels_only(fp32, bf16, monkeypatch, capability, rows):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    step = cpu_forward(fp32.model, fp32.gguf_path, "quantized", 512)
+    assert step.float_rows == rows
+    assert (f"steps of {FLOAT_ROWS} rows or more on the float32 weights" in step.describe) == (rows is not None)
+    assert cpu_forward(bf16.model, bf16.gguf_path, "quantized", 512).float_rows is None    # no float32 weights
+    with pytest.raises(ValueError, match="float32 weights, not torch.bfloat16"):
+        from_gguf(bf16.model, bf16.gguf_path, 512, float_rows=FLOAT_ROWS)
 
 
 @pytest.fixture(scope="module")
