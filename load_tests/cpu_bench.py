@@ -2,8 +2,8 @@
 
 Every runner gets the same random prompt (a new one each run, so that our prefix cache serves
 none of it), generates greedily to the full length and is timed the same way: prefill tokens/s
-is the prompt's length over the time to the first generated token, decode tokens/s the remaining tokens over the time from the first to the last. The
-runners take turns, run after run, so load from other processes on the machine hits them all
+is the prompt's length over the time to the first generated token, decode tokens/s the remaining
+tokens over the time from the first to the last. The runners take turns, run after run, so load from other processes on the machine hits them all
 alike; medians over the runs are reported. Ours runs on the file's quantised weights and on
 its float (dequantised) weights; transformers on the dequantised float32 weights; llama.cpp
 (``--llama-python``, the Python of an environment with llama-cpp-python, ``make bench-cpu

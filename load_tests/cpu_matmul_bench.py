@@ -9,7 +9,7 @@ AVX2 hosts). Medians of 7 timings of ``--calls`` calls each; GB/s counts the wei
 
 import argparse
 import statistics
-import time
+import timeit
 
 import torch
 import torch.nn.functional as F
@@ -18,23 +18,8 @@ from models import cpu_forward, load_model
 
 
 def median_us(fn, calls: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(7):
-        started = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - started) / calls * 1e6)
-    return statistics.median(times)
-
-
-def shape(linear) -> tuple[int, int]:
-    """(out, in) of a projection, or of its concatenated parts (q/k/v of different types)."""
-    parts = getattr(linear, "parts", None)
-    if parts is not None and not isinstance(parts[0], tuple):
-        return sum(p.out_features for p in parts), parts[0].in_features
-    return linear.out_features, linear.in_features
+    fn()                                                         # warm-up
+    return statistics.median(timeit.repeat(fn, repeat=7, number=calls)) / calls * 1e6
 
 
 def main() -> None:
@@ -56,7 +41,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         for rows in args.rows:
             for name, linear in linears.items():
-                n, k = shape(linear)
+                n, k = linear.out_features, linear.in_features
                 dense = torch.randn(n, k)
                 x = torch.randn(rows, k)
                 xb, dense_b = x.bfloat16(), dense.bfloat16()

@@ -4,7 +4,7 @@ Same contract as ``FusedDecoder`` and ``forward_logits``. The projections run ei
 file's quantised weights (``models.quantized``: packed int4, bfloat16 activations) or the
 model's dense float weights (in the model's dtype); where PyTorch runs its AVX2 kernels, a
 quantised step of many rows (a prefill, a large batch) runs the float32 weights instead, which
-are faster there (``float_rows_for_this_cpu``). The residual stream, norms, rotary
+are faster there (``float_rows_for``). The residual stream, norms, rotary
 embedding and attention stay in the KV cache's dtype (float32 by default). Query and key
 heads are kept in the interleaved-pair layout of the GGUF file (so the rotary embedding is one
 complex multiply); dense rotate-half weights are permuted into it once. Attention scores are
@@ -49,9 +49,12 @@ def decode_parallel_bytes() -> int:
 FLOAT_ROWS = 16
 
 
-def float_rows_for_this_cpu() -> int | None:
-    """The rows from which a quantised step runs its float32 weights on this CPU, or None (never)."""
-    return FLOAT_ROWS if torch.backends.cpu.get_cpu_capability() == "AVX2" else None
+def float_rows_for(model) -> int | None:
+    """The rows from which a quantised step of ``model`` runs its float32 weights on this CPU, or
+    None (never; also where the model's weights are not float32)."""
+    if model.dtype != torch.float32 or torch.backends.cpu.get_cpu_capability() != "AVX2":
+        return None
+    return FLOAT_ROWS
 
 
 def interleave_rows(num_heads: int, head_dim: int) -> np.ndarray:
@@ -283,6 +286,7 @@ class _Rows:
         self.parts = parts
         self.act_dtype = parts[0].act_dtype
         self.nbytes = sum(p.nbytes for p in parts)
+        self.out_features, self.in_features = sum(p.out_features for p in parts), parts[0].in_features
 
     def __call__(self, x):
         return torch.cat([p(x) for p in self.parts], dim=-1)
@@ -403,8 +407,7 @@ def cpu_forward(model, gguf_path: Path | None, mode: str, max_positions: int) ->
                              "quantised file")
         return from_dense(model, max_positions)
     try:
-        return from_gguf(model, gguf_path, max_positions,
-                         float_rows_for_this_cpu() if model.dtype == torch.float32 else None)
+        return from_gguf(model, gguf_path, max_positions, float_rows_for(model))
     except ValueError as e:
         if mode == "quantized":
             raise

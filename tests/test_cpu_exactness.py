@@ -64,8 +64,8 @@ def tokens(fp32):
     return ids[:TOKENS + DECODE_STEPS]
 
 
-def prefill_all_logits(step, ids: list[int], dtype) -> torch.Tensor:
-    """Logits at every position of one prefill over ``ids``."""
+def prefill_all_logits(step, ids: list[int], dtype, logits_rows=None) -> torch.Tensor:
+    """Logits at every position of one prefill over ``ids`` (at ``logits_rows`` only, if given)."""
     n, block_size = len(ids), 16
     blocks = -(-n // block_size)
     shape = kernels.cache_shape(blocks, step.num_kv_heads, block_size, step.head_dim)
@@ -76,7 +76,7 @@ def prefill_all_logits(step, ids: list[int], dtype) -> torch.Tensor:
     batch = AttentionBatch(caches, slots, table, torch.tensor([n], dtype=torch.int32), is_decode=False,
                            query_starts=[0, n], context_lens=[0])
     with torch.inference_mode():
-        return step(torch.tensor([ids], dtype=torch.int32), positions.view(1, -1), batch).float()
+        return step(torch.tensor([ids], dtype=torch.int32), positions.view(1, -1), batch, logits_rows).float()
 
 
 def decode_logits(loaded, cpu_weights: str, ids: list[int], steps: int) -> torch.Tensor:
@@ -150,14 +150,7 @@ def test_steps_of_many_rows_run_the_float32_weights(fp32, tokens, monkeypatch):
     assert torch.equal(got, prefill_all_logits(int4_step, few, torch.float32))
 
     counts.update(int4=0, dense=0)                  # the layers on float32, the head on one row: int4
-    n = len(many)
-    shape = kernels.cache_shape(4, step.num_kv_heads, 16, step.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in step.layers]
-    positions = torch.arange(n, dtype=torch.int32)
-    batch = AttentionBatch(caches, positions, torch.arange(4, dtype=torch.int32).view(1, -1),
-                           torch.tensor([n], dtype=torch.int32), is_decode=False, query_starts=[0, n], context_lens=[0])
-    with torch.inference_mode():
-        step(torch.tensor([many], dtype=torch.int32), positions.view(1, -1), batch, logits_rows=torch.tensor([n - 1]))
+    prefill_all_logits(step, many, torch.float32, logits_rows=torch.tensor([len(many) - 1]))
     assert counts == {"int4": 1, "dense": 4 * len(step.layers)}, counts
 
 
