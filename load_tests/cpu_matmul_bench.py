@@ -32,7 +32,7 @@ def main() -> None:
 
     loaded = load_model(args.model, device="cpu")
     step = cpu_forward(loaded.model, loaded.gguf_path, "quantized", 256)
-    norm, qkv, o, _, gate_up, down = step.layers[0]
+    _, qkv, o, _, gate_up, down = step.layers[0]
     linears = {"qkv": qkv, "o": o, "gate_up": gate_up, "down": down, "head": step.head}
     print(f"{loaded.name}, torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     print("| threads | rows | matrix | out x in | int4 us (GB/s) | float32 us | bfloat16 us | float32 us / int4 us |")

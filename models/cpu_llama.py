@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -57,6 +58,14 @@ def float_rows_for(model) -> int | None:
     return FLOAT_ROWS
 
 
+class FloatWeights(NamedTuple):
+    """A quantised step's float32 projections, run by its steps of at least ``rows`` rows (the head
+    by its own rows): each layer's (qkv, o, gate_up, down), and the LM head."""
+    rows: int
+    projections: list
+    head: object
+
+
 def interleave_rows(num_heads: int, head_dim: int) -> np.ndarray:
     """Row order taking rotate-half heads (pairs i, i + D/2) to interleaved ones (2i, 2i + 1)."""
     return np.arange(num_heads * head_dim).reshape(num_heads, 2, head_dim // 2).transpose(0, 2, 1).reshape(-1)
@@ -64,12 +73,7 @@ def interleave_rows(num_heads: int, head_dim: int) -> np.ndarray:
 
 class CpuLlama:
     def __init__(self, model, layers, embed, head, final_norm: torch.Tensor, max_positions: int, describe: str,
-                 float_projections=None, float_rows: int | None = None):
-        """``float_projections``: (each layer's (qkv, o, gate_up, down), head) on float32 weights,
-        run by steps of at least ``float_rows`` rows (the head by its own rows)."""
-        if (float_projections is None) != (float_rows is None):
-            raise ValueError(f"float_projections and float_rows go together: projections "
-                             f"{'given' if float_projections is not None else 'None'}, float_rows {float_rows!r}")
+                 float_weights: FloatWeights | None = None):
         cfg = model.config
         self.num_q_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -81,12 +85,11 @@ class CpuLlama:
         norm = lambda w: _RmsNorm(w, self.eps)
         self.layers = [(norm(n_in), qkv, o, norm(n_post), gate_up, down) for n_in, qkv, o, n_post, gate_up, down in layers]
         self.final_norm = norm(final_norm)
-        self.float_rows = float_rows
-        self.float_layers = self.float_head = None
-        if float_projections is not None:
-            projections, self.float_head = float_projections
+        self.float_rows = self.float_layers = self.float_head = None
+        if float_weights is not None:
+            self.float_rows, self.float_head = float_weights.rows, float_weights.head
             self.float_layers = [(n_in, qkv, o, n_post, gate_up, down) for (n_in, _, _, n_post, _, _), (qkv, o, gate_up, down)
-                                 in zip(self.layers, projections)]
+                                 in zip(self.layers, float_weights.projections)]
         self.describe = describe
         positions = torch.arange(max_positions).unsqueeze(0)
         cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
@@ -210,9 +213,8 @@ class CpuLlama:
                                    batch.kv_caches[0][0].shape[2])
             rotary = rotary * self.qk_scale                                     # q pre-scaled: [T, Hq + Hkv, D/2]
         residual = self.embed(ids).to(kv_dtype)
-        many = self.float_rows is not None and tokens >= self.float_rows
         for i, (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj) in enumerate(
-                self.float_layers if many else self.layers):
+                self.float_layers if self._on_float(tokens) else self.layers):
             k_cache, v_cache = batch.kv_caches[i]
             k_scale, v_scale = batch.layer_scales(i)
             qkv = matmul(qkv_proj, norm_in(residual, qkv_proj.act_dtype))
@@ -233,8 +235,12 @@ class CpuLlama:
             residual = _add(residual, matmul(down_proj, F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])))
         if logits_rows is not None:
             residual = residual[logits_rows]
-        head = self.float_head if self.float_rows is not None and residual.shape[0] >= self.float_rows else self.head
+        head = self.float_head if self._on_float(residual.shape[0]) else self.head
         return matmul(head, self.final_norm(residual, head.act_dtype)).float()
+
+    def _on_float(self, rows: int) -> bool:
+        """Whether projections over ``rows`` rows run the float32 weights."""
+        return self.float_rows is not None and rows >= self.float_rows
 
 
 class _RmsNorm:
@@ -338,15 +344,15 @@ def from_gguf(model, path: Path, max_positions: int, float_rows: int | None = No
     nbytes = sum(lin.nbytes for lin in _flatten(all_linears))
     describe = (f"quantized from {path.name} ({', '.join(kinds)}; {nbytes / 1e6:.0f} MB of projection weights, "
                 f"{dense} dense): int4 matmuls with bfloat16 activations")
-    float_projections = None
+    float_weights = None
     if float_rows is not None:
         if model.dtype != torch.float32:
             raise ValueError(f"float_rows needs the model's float32 weights, not {model.dtype}")
-        float_projections = _float_projections(model)
+        float_weights = FloatWeights(float_rows, *_float_projections(model))
         describe += (f"; steps of {float_rows} rows or more on the float32 weights (faster on this CPU's "
                      f"{torch.backends.cpu.get_cpu_capability()} kernels: docs/cpu.md)")
     return CpuLlama(model, layers, embed, head, f32("output_norm.weight"), max_positions, describe,
-                    float_projections, float_rows)
+                    float_weights)
 
 
 def _flatten(linears):

@@ -26,10 +26,7 @@ if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-# fail in seconds, not after the build: every stage imports the server (a transformers outside
-# pyproject's pin fails there) and the HTTP stages measure httptools and uvloop
-python3 -c "import httptools, uvloop, server.cli" || {
-  echo "the server's imports or its HTTP stack (httptools, uvloop) are missing: carry their wheels in .whl/" >&2; exit 1; }
+source tests/gpu/require_server_stack.sh
 stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix prefix-engine tokenize window arch-tests arch fp8}
 want() { [[ " $stages " == *" $1 "* ]]; }
 summary=()

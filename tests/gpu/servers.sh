@@ -17,13 +17,7 @@ if [ "$cpus" -ge 8 ] && command -v taskset > /dev/null; then
 else
   SERVER_CPUS=${SERVER_CPUS-} CLIENT_CPUS=${CLIENT_CPUS-}
 fi
-# A server benchmark measures the HTTP stack a deployment runs: refuse to start without it, or
-# without the server's own imports (a transformers outside pyproject's pin fails there).
-python3 -c "import httptools, uvloop, server.cli" || {
-  echo "servers.sh: the server's HTTP stack (httptools, uvloop) or its imports are missing; on a host" \
-       "without a package index, carry their wheels in .whl/ (and transformers within pyproject's pin)" >&2
-  exit 1
-}
+source tests/gpu/require_server_stack.sh
 # the API workers the server's "auto" gives on the whole host (pinned, it would count half the
 # CPUs), unless SERVER_API_WORKERS says how many
 api_workers=${SERVER_API_WORKERS:-$(python3 -c "from server.cli import resolve_api_workers; print(resolve_api_workers('auto', '$DEVICE', False))")}
