@@ -266,7 +266,7 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
     else:
         metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="flashdecode-metrics-")
     sock = uvicorn.Config(app=None, host=settings.host, port=settings.port).bind_socket()
-    core, channels = start_shared_core(settings.model, settings.dtype, settings.device,
+    core, channels, core_requests = start_shared_core(settings.model, settings.dtype, settings.device,
                                        EngineConfig(**engine_options(args)), args.api_workers,
                                        log_config(args.log_level))
     ctx = mp.get_context("spawn")
@@ -275,7 +275,7 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
     for worker in workers:
         worker.start()
     for channel in channels:
-        channel.outbox.close()                     # each worker holds its pipe's only reading end now
+        channel.close()                            # each worker holds its pipes' only ends on this side now
     log.info("engine process %d, API worker processes %s", core.pid, [w.pid for w in workers])
     signals: list[int] = []
 
@@ -302,7 +302,7 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5)
-        stop_core(core, channels[0].inbox)
+        stop_core(core, core_requests)
         sock.close()
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -1,12 +1,18 @@
 """The engine core in a process of its own.
 
 The server process keeps the tokenizer (it makes the text of the tokens) and the asyncio
-streams; the core process owns the model and the GPU. Requests and aborts go down one queue; each
-step's events and a state snapshot come back up a pipe, as one message per step.
+streams; the core process owns the model and the GPU. Requests and aborts go down a pipe; each
+step's events and a state snapshot come back up another, as one message per step.
 
-Several HTTP worker processes can share one core (``python -m server --api-workers N``): they
-all send down the one queue, each has a pipe of its own coming back, and a request's events go
-to the worker whose number prefixes its id (``"2:..."``).
+Several HTTP worker processes can share one core (``python -m server --api-workers N``): each
+has a pipe of its own each way, and a request's events go to the worker whose number prefixes
+its id (``"2:..."``). The process that starts the core keeps one more pipe down, to stop it.
+
+A front end writes a request into its pipe from the thread that sends it (the event loop's), not
+from a ``multiprocessing.Queue``'s feeder thread: while the event loop is busy streaming tokens,
+a thread of the same process waits milliseconds for the GIL (docs/log.md). What the pipe does
+not take at once goes, in order, through a writer thread, so the event loop never waits for the
+core.
 
 The core writes to the pipes from its step loop itself. A ``multiprocessing.Queue`` would hand
 each message to a feeder thread, and those hand-offs cost the core more than the writes. A worker
@@ -21,9 +27,15 @@ import logging
 import logging.config
 import multiprocessing as mp
 import os
+import pickle
+import queue
+import selectors
 import signal
+import struct
 import threading
 import time
+from collections import deque
+from multiprocessing.connection import wait as wait_for_readable
 
 import transformers
 
@@ -44,13 +56,120 @@ PIPE_BUFFER_BYTES = 1 << 20                # about a hundred B=256 steps of even
 
 def event_pipe(ctx):
     """(reader, writer) of a one-way pipe for the core's messages, its buffer enlarged where the
-    system allows."""
+    system allows. The front ends' request pipes are made the same way."""
     reader, writer = ctx.Pipe(duplex=False)
     try:
         fcntl.fcntl(writer.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BUFFER_BYTES)
     except (AttributeError, OSError):
         pass                                       # not Linux, or a lower limit: the default buffer
     return reader, writer
+
+
+FRAME = struct.Struct("!I")                 # a request message: its length, then its pickle
+
+
+class RequestPipe:
+    """A front end's end of its request pipe (``send``, from any thread). The sending thread
+    writes what the pipe takes at once; what it does not take, and every message after it, a
+    writer thread writes in order as the core reads. A core that has gone takes nothing: its
+    front end learns of it from the events pipe."""
+
+    def __init__(self, writer):
+        self._writer = writer                      # a Connection, for its descriptor (it travels to spawned processes)
+        self._fd = writer.fileno()
+        os.set_blocking(self._fd, False)
+        self._lock = threading.Condition()
+        self._backlog: deque[memoryview] = deque()
+        self._thread: threading.Thread | None = None
+        self._gone = False
+
+    def send(self, message) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        frame = memoryview(FRAME.pack(len(data)) + data)
+        with self._lock:
+            if self._gone:
+                return
+            if not self._backlog:
+                frame = self._write(frame)
+                if not frame:
+                    return
+            self._backlog.append(frame)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._write_backlog, name="request-writer", daemon=True)
+                self._thread.start()
+            self._lock.notify()
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def _write(self, frame: memoryview) -> memoryview:
+        """What of ``frame`` the pipe did not take now (empty: all of it, or the core has gone)."""
+        try:
+            return frame[os.write(self._fd, frame):]
+        except BlockingIOError:
+            return frame
+        except OSError:                            # the core has gone
+            self._gone = True
+            self._backlog.clear()
+            return frame[:0]
+
+    def _write_backlog(self) -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._fd, selectors.EVENT_WRITE)
+            while True:
+                with self._lock:
+                    while not self._backlog:
+                        self._lock.wait()
+                    left = self._write(self._backlog[0])
+                    if self._gone:
+                        continue
+                    if left:
+                        self._backlog[0] = left
+                    else:
+                        self._backlog.popleft()
+                if left:
+                    selector.select()              # until the core has read some
+
+
+class RequestInbox:
+    """The core's ends of the request pipes, read as one queue: ``get(timeout)`` and
+    ``get_nowait()`` raise ``queue.Empty`` when no whole message has come. A pipe whose front end
+    has gone is dropped; once none is left, ``("stop", None)`` is what comes."""
+
+    def __init__(self, readers):
+        self._readers = {reader.fileno(): reader for reader in readers}   # Connections, kept open
+        self._pending = {fd: bytearray() for fd in self._readers}
+        self._ready: deque = deque()
+
+    def get(self, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._read(left)
+            if not self._ready and left == 0.0:
+                raise queue.Empty
+        return self._ready.popleft()
+
+    def get_nowait(self):
+        return self.get(0)
+
+    def _read(self, timeout: float | None) -> None:
+        if not self._readers:
+            self._ready.append(("stop", None))
+            return
+        for fd in wait_for_readable(list(self._readers), timeout):
+            data = os.read(fd, PIPE_BUFFER_BYTES)
+            if not data:                           # that front end has gone
+                del self._readers[fd], self._pending[fd]
+                continue
+            pending = self._pending[fd]
+            pending += data
+            while len(pending) >= FRAME.size:
+                (size,) = FRAME.unpack_from(pending)
+                if len(pending) < FRAME.size + size:
+                    break
+                self._ready.append(pickle.loads(pending[FRAME.size:FRAME.size + size]))
+                del pending[:FRAME.size + size]
 
 
 def _pack(pairs) -> list[tuple]:
@@ -102,9 +221,10 @@ class _Router:
             log.warning("front end %d is gone; its events are dropped", worker)
 
 
-def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, inbox, outboxes,
+def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, request_readers, outboxes,
               log_config: dict | None):
-    """The core process: loads the model, then steps until told to stop."""
+    """The core process: loads the model, then steps until told to stop (or until every request
+    pipe's writer has gone)."""
     # Ctrl-C reaches the whole process group; the server drains its requests and then stops
     # the core with a message, so the core must not die of the interrupt before that.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -117,7 +237,7 @@ def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, 
         core = EngineCore(loaded, config, router)
         freeze_startup_heap()
         router.broadcast(("ready", core.info))
-        _run_profiled(core, inbox, os.environ.get(PROFILE_ENV))
+        _run_profiled(core, RequestInbox(request_readers), os.environ.get(PROFILE_ENV))
         router.broadcast(("stopped",))
     except BaseException as exc:                 # tell the servers before the process ends
         log.exception("engine core failed")
@@ -125,7 +245,7 @@ def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, 
         raise SystemExit(1) from None
 
 
-def _run_profiled(core: EngineCore, inbox, path: str | None) -> None:
+def _run_profiled(core: EngineCore, inbox: "RequestInbox", path: str | None) -> None:
     if not path:
         core.run(inbox)
         return
@@ -140,32 +260,42 @@ def _run_profiled(core: EngineCore, inbox, path: str | None) -> None:
 
 
 class EngineChannel:
-    """One worker's end of a shared core: the common inbox, the reading end of its own pipe, its
-    number, and the core's process id."""
+    """One worker's end of a shared core: the writing end of its request pipe, the reading end of
+    its events pipe, its number, and the core's process id."""
 
-    def __init__(self, inbox, outbox, worker: int, core_pid: int):
-        self.inbox, self.outbox, self.worker, self.core_pid = inbox, outbox, worker, core_pid
+    def __init__(self, requests, outbox, worker: int, core_pid: int):
+        self.requests, self.outbox, self.worker, self.core_pid = requests, outbox, worker, core_pid
+
+    def close(self) -> None:
+        """The starting process's copies, once the worker process holds its own."""
+        self.requests.close()
+        self.outbox.close()
 
 
 def start_shared_core(model: str, dtype: str | None, device: str, config: EngineConfig, workers: int,
                       log_config: dict | None = None):
-    """Starts a core process for ``workers`` HTTP workers; returns it and one channel per worker.
-    The caller hands each channel to its worker process and then closes its own copies of them
-    (``EngineChannel.outbox.close()``), so that a worker's exit breaks its pipe."""
+    """Starts a core process for ``workers`` HTTP workers; returns it, one channel per worker and
+    the caller's own request pipe (to stop the core: ``stop_core``). The caller hands each channel
+    to its worker process and then closes its own copies of them (``EngineChannel.close()``), so
+    that a worker's exit breaks its pipes."""
     ctx = mp.get_context("spawn")
-    inbox = ctx.Queue()
-    pipes = [event_pipe(ctx) for _ in range(workers)]
+    requests = [event_pipe(ctx) for _ in range(workers + 1)]
+    events = [event_pipe(ctx) for _ in range(workers)]
     process = ctx.Process(target=core_main, name="engine-core", daemon=True,
-                          args=(model, dtype, device, config, inbox, [w for _, w in pipes], log_config))
+                          args=(model, dtype, device, config, [r for r, _ in requests], [w for _, w in events],
+                                log_config))
     process.start()
-    for _, writer in pipes:
+    for (reader, _), (_, writer) in zip(requests, events):
+        reader.close()
         writer.close()
-    return process, [EngineChannel(inbox, reader, i, process.pid) for i, (reader, _) in enumerate(pipes)]
+    requests[-1][0].close()
+    channels = [EngineChannel(requests[i][1], events[i][0], i, process.pid) for i in range(workers)]
+    return process, channels, RequestPipe(requests[-1][1])
 
 
-def stop_core(process, inbox, timeout: float = 30.0) -> None:
+def stop_core(process, requests: RequestPipe, timeout: float = 30.0) -> None:
     if process.is_alive():
-        inbox.put(("stop", None))
+        requests.send(("stop", None))
         process.join(timeout=timeout)
     if process.is_alive():
         process.terminate()
@@ -181,13 +311,14 @@ class ProcessEngine(EngineFrontend):
         super().__init__(config or EngineConfig(), load_tokenizer(model))
         if channel is None:
             ctx = mp.get_context("spawn")
-            self._inbox = ctx.Queue()
+            self._request_reader, requests = event_pipe(ctx)
             self._outbox, self._writer = event_pipe(ctx)
+            self._requests = RequestPipe(requests)
             self._process = ctx.Process(target=core_main, name="engine-core", daemon=True,
-                                        args=(model, dtype, device, self.config, self._inbox, [self._writer],
-                                              log_config))
+                                        args=(model, dtype, device, self.config, [self._request_reader],
+                                              [self._writer], log_config))
         else:
-            self._inbox, self._outbox, self._process = channel.inbox, channel.outbox, None
+            self._requests, self._outbox, self._process = RequestPipe(channel.requests), channel.outbox, None
             self._core_pid = channel.core_pid
             self.id_prefix = f"{channel.worker}:"
         self._reader: threading.Thread | None = None
@@ -222,7 +353,8 @@ class ProcessEngine(EngineFrontend):
         graphs captured."""
         if self._process is not None:
             self._process.start()
-            self._writer.close()                   # the core's copy is now the only one
+            self._writer.close()                   # the core's copies are now the only ones
+            self._request_reader.close()
         message = self._receive()
         if message[0] != "ready":
             raise RuntimeError(f"the engine process failed to start: {message[-1]}")
@@ -248,12 +380,11 @@ class ProcessEngine(EngineFrontend):
         self.ready = False
         if self._process is None:
             return                                 # the shared core's owner stops it
-        stop_core(self._process, self._inbox)
+        stop_core(self._process, self._requests)
         if self._reader is not None:
             self._reader.join(timeout=5)           # it ends on "stopped" or at the pipe's end
-        self._inbox.close()
-        self._inbox.join_thread()
+        self._requests.close()
         self._outbox.close()
 
     def _send(self, message) -> None:
-        self._inbox.put(message)
+        self._requests.send(message)

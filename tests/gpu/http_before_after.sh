@@ -7,6 +7,7 @@
 #
 #   git archive BASE | tar -x -C .before       # the code before, beside this checkout
 #   BEFORE=.before bash tests/gpu/http_before_after.sh OUT_DIR
+#   LOADGEN_ARGS="--shared-prefix 2048" BEFORE=.before bash tests/gpu/http_before_after.sh OUT_DIR   # more load generator flags
 #   MODEL=random:tiny DEVICE=cpu CONCURRENCY="4" OUTPUT=8 REQUESTS=16 SECONDS_PER_LEVEL=5 BEFORE=.before bash tests/gpu/http_before_after.sh /tmp/h
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,6 +26,7 @@ WORKERS=${WORKERS:-8}
 ROUNDS=${ROUNDS:-3}
 MEMORY_FRACTION=${MEMORY_FRACTION:-0.4}
 SERVER_ARGS=${SERVER_ARGS:-}
+LOADGEN_ARGS=${LOADGEN_ARGS:-}
 source tests/gpu/servers.sh
 
 echo "== $model: the server before and after, taking turns for $ROUNDS rounds"
@@ -35,7 +37,7 @@ if start_server before "$out/before" "$BEFORE" "$MEMORY_FRACTION" $SERVER_ARGS \
     for streams in $CONCURRENCY; do
       for tree in $order; do
         dir="$out/$tree"; port_of=port_$tree; port=${!port_of}
-        loadgen "c$streams.r$round" --concurrency "$streams" --num-prompts "$REQUESTS" --input-len "$INPUT"
+        loadgen "c$streams.r$round" --concurrency "$streams" --num-prompts "$REQUESTS" --input-len "$INPUT" $LOADGEN_ARGS
       done
     done
   done

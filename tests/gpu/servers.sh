@@ -1,7 +1,8 @@
 # Two servers side by side, loaded in turns: the helpers the server benchmarks share
 # (prefix_caching_bench.sh, http_before_after.sh). Source it from the repository root after
 # setting OUTPUT, WORKERS, SECONDS_PER_LEVEL and DEVICE; OUTPUT_RANGE r (default 0) draws each
-# request's output length in OUTPUT x [1-r, 1+r].
+# request's output length in OUTPUT x [1-r, 1+r]. SERVER_MODULE (default "server") is what runs
+# as python -m: "load_tests.synthetic_core --step-ms 4" measures the HTTP layer alone.
 #
 #   start_server LABEL DIR TREE FRACTION [server flags...]   # a server of TREE's code, its log in DIR;
 #                                                            # sets server_LABEL and port_LABEL
@@ -42,7 +43,7 @@ start_server() {
   local label=$1 logdir=$2 tree=$3 fraction=$4; shift 4
   mkdir -p "$logdir"
   port=$(free_port)
-  local command=(python3 -m server --model "$model" --device "$DEVICE" --port "$port" \
+  local command=(python3 -m ${SERVER_MODULE:-server} --model "$model" --device "$DEVICE" --port "$port" \
                  --gpu-memory-fraction "$fraction" --api-workers "$api_workers" "$@")
   [ -n "$SERVER_CPUS" ] && command=(taskset -c "$SERVER_CPUS" "${command[@]}")
   (cd "$tree" && export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} && exec "${command[@]}") > "$logdir/server.log" 2>&1 &
