@@ -27,6 +27,7 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from tokenizers import Encoding, pre_tokenizers
 
@@ -34,6 +35,7 @@ PIECE_CHARS = 2048                     # shorter pieces cost more in per-text ov
 MAX_PIECES = 8
 MARK_CHARS = 512                       # with prefix caching, the grid of cuts
 CACHED_PROMPTS = 128                   # with prefix caching, the prompts whose ids are kept
+INLINE_CHARS = 2048                    # a text this short is encoded on the caller's thread (EncodeWork.small)
 _CUT = re.compile(r"(?<=[^\W_]) ")     # a space after a letter or digit
 
 
@@ -161,14 +163,30 @@ class PromptEncoder:
         return self.encode_counted(text, add_special_tokens)[0]
 
     def encode_counted(self, text: str, add_special_tokens: bool, shared: bool = True) -> tuple[list[int], int]:
-        """The ids of ``text``, and how many of its characters a kept prompt's ids served. Not
-        ``shared`` (a request with a ``cache_salt``): the text neither uses nor joins the kept
-        prompts, so its encode time says nothing about what others sent."""
+        """The ids of ``text``, and how many of its characters a kept prompt's ids served."""
+        return self.run(self.prepare(text, add_special_tokens, shared))
+
+    def prepare(self, text: str, add_special_tokens: bool, shared: bool = True) -> "EncodeWork":
+        """What encoding ``text`` takes: with kept prompts, the longest start of it one of them
+        shares is found here (Python work in proportion to the text, no encoding). Not ``shared``
+        (a request with a ``cache_salt``): the text neither uses nor joins the kept prompts, so
+        its encode time says nothing about what others sent."""
+        if self.backend is not None and self.prefixes is not None and shared:
+            text_marks = marks(text, 0, self.mark_chars)
+            if len(text_marks) >= 2:                 # else keeping it would cost more than it saves
+                keys = chained_keys(text, text_marks)
+                start, ids, kept = self.prefixes.longest(text, text_marks, keys)
+                found = _KeptStart(text_marks, keys, start, ids, kept)
+                return EncodeWork(text, add_special_tokens, len(text) - start, found)
+        return EncodeWork(text, add_special_tokens, len(text))
+
+    def run(self, work: "EncodeWork") -> tuple[list[int], int]:
+        """The ids of ``work``'s text, and how many of its characters kept ids served."""
         if self.backend is None:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)), 0
-        if self.prefixes is not None and shared:
-            return self._encode_after_kept_prefix(text)
-        return self._encode_fresh(text, add_special_tokens), 0
+            return list(self.tokenizer.encode(work.text, add_special_tokens=work.add_special_tokens)), 0
+        if work.kept is None:
+            return self._encode_fresh(work.text, work.add_special_tokens), 0
+        return self._encode_after(work.text, work.kept), work.kept.start
 
     def _encode_fresh(self, text: str, add_special_tokens: bool) -> list[int]:
         with self._turn() as alone:
@@ -192,25 +210,47 @@ class PromptEncoder:
             with self._lock:
                 self._in_flight -= 1
 
-    def _encode_after_kept_prefix(self, text: str) -> tuple[list[int], int]:
-        text_marks = marks(text, 0, self.mark_chars)
-        if len(text_marks) < 2:                      # a short text: keeping it would cost more than it saves
-            return self.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids, 0
-        keys = chained_keys(text, text_marks)
-        start, ids, kept = self.prefixes.longest(text, text_marks, keys)
-        after = [m for m in text_marks if m > start]
+    def _encode_after(self, text: str, found: "_KeptStart") -> list[int]:
+        """``text`` encoded from the end of its kept start on, its ids and marks kept in turn."""
+        ids, kept = found.ids, found.kept
+        after = [m for m in found.marks if m > found.start]
         with self._turn() as alone:
             cuts = after if alone else after[-1:]     # the last mark alone still finds the whole text again
-            bounds = [start, *cuts, len(text)]
+            bounds = [found.start, *cuts, len(text)]
             parts = self.backend.encode_batch_fast([text[a:b] for a, b in zip(bounds, bounds[1:])],
                                                    add_special_tokens=False)
-        key_of = dict(zip(text_marks, keys))
+        key_of = dict(zip(found.marks, found.keys))
         for mark, part in zip(cuts, parts):
             ids.extend(part.ids)
             kept[mark] = (len(ids), key_of[mark])
         ids.extend(parts[-1].ids)
         self.prefixes.add(text, ids, kept)
-        return ids.tolist(), start
+        return ids.tolist()
+
+
+@dataclass
+class _KeptStart:
+    marks: list[int]
+    keys: list[int]
+    start: int                          # the mark up to which a kept prompt shares the text (0: none)
+    ids: array                          # the ids before it
+    kept: dict[int, tuple[int, int]]    # mark -> (ids before it, its key), up to start
+
+
+@dataclass
+class EncodeWork:
+    """A prompt's encode, prepared (``PromptEncoder.prepare``): ``chars`` is what the tokenizer
+    still has to encode of it."""
+    text: str
+    add_special_tokens: bool
+    chars: int
+    kept: _KeptStart | None = None
+
+    @property
+    def small(self) -> bool:
+        """Cheaper to encode where it is (about 1 ms at most) than to hand to a thread and back,
+        which, beside an event loop busy streaming tokens, waits milliseconds for the GIL."""
+        return self.chars <= INLINE_CHARS
 
 
 def _cpus() -> int:

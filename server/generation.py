@@ -1,4 +1,4 @@
-"""API-independent glue between a route and the engine: tokenizing off the event loop, length
+"""API-independent glue between a route and the engine: tokenizing (long texts off the event loop), length
 checks, admission, and one ``Generation`` per admitted request that records metrics, writes
 the request's log line and aborts the engine request if it is left unfinished."""
 
@@ -38,10 +38,19 @@ def _encoder(engine):
     return prompt_encoder(engine.tokenizer, engine.config.prefix_caching)
 
 
+async def _encode(engine, text: str, add_special_tokens: bool, shared: bool) -> tuple[list[int], int]:
+    """A short text (or what follows a kept start) on the event loop, a longer one off it."""
+    encoder = _encoder(engine)
+    work = encoder.prepare(text, add_special_tokens, shared)
+    if work.small:
+        return encoder.run(work)
+    return await run_in_threadpool(encoder.run, work)
+
+
 async def encode_text(engine, text: str, shared: bool = True) -> Prompt:
-    """``shared``: see ``PromptEncoder.encode_counted`` (False for a request with a cache_salt)."""
+    """``shared``: see ``PromptEncoder.prepare`` (False for a request with a cache_salt)."""
     started, started_epoch = time.perf_counter(), time.time()
-    ids, reused = await run_in_threadpool(_encoder(engine).encode_counted, text, True, shared)
+    ids, reused = await _encode(engine, text, True, shared)
     return Prompt(ids, text, time.perf_counter() - started, started_epoch, reused)
 
 
@@ -57,7 +66,7 @@ async def encode_chat(engine, messages: list[dict], shared: bool = True) -> Prom
         raise ApiError(400, f"messages do not fit the model's chat template: {exc}",
                        param="messages") from exc
     # The template already wrote any special tokens it wants.
-    ids, reused = await run_in_threadpool(_encoder(engine).encode_counted, text, False, shared)
+    ids, reused = await _encode(engine, text, False, shared)
     return Prompt(ids, text, time.perf_counter() - started, started_epoch, reused)
 
 

@@ -202,3 +202,18 @@ def test_the_server_keeps_prompt_ids_only_with_prefix_caching(tokenizer):
         encoder.encode_counted(text, True)
         ids, reused = encoder.encode_counted(text, True)
         assert ids == tokenizer.encode(text) and (reused > 3000) == caching
+
+
+def test_what_follows_a_kept_start_is_small_enough_to_encode_where_it_is(tokenizer):
+    encoder = PromptEncoder(tokenizer, cached_prompts=4, mark_chars=512)
+    shared = CORPUS[:8000]
+    cold = encoder.prepare(shared + CORPUS[9000:9600], True)
+    assert cold.chars == len(cold.text) and not cold.small      # nothing kept yet: off the event loop
+    assert encoder.run(cold) == (tokenizer.encode(cold.text), 0)
+    text = shared + CORPUS[12000:12600]
+    warm = encoder.prepare(text, True)
+    assert warm.small and 0 < warm.chars < 1200                 # the new tail and at most a mark's span before it
+    ids, reused = encoder.run(warm)
+    assert ids == tokenizer.encode(text) and reused == len(text) - warm.chars
+    assert encoder.prepare(text, True, shared=False).chars == len(text)
+    assert encoder.prepare(CORPUS[:300], True).small and PromptEncoder(tokenizer).prepare(CORPUS[:300], True).small
