@@ -76,3 +76,4 @@ def test_a_gone_core_takes_nothing_and_the_sender_goes_on(backlogged):
         pipe.send(message(i))                            # neither raises nor blocks
     assert time.monotonic() < deadline
     pipe.close()
+    pipe.send(message(0))                                # after close: nothing written, nothing raised

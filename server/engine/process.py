@@ -100,7 +100,11 @@ class RequestPipe:
             self._lock.notify()
 
     def close(self) -> None:
-        self._writer.close()
+        """Nothing is written after this (the descriptor's number may be reused)."""
+        with self._lock:
+            self._gone = True
+            self._backlog.clear()
+            self._writer.close()
 
     def _write(self, frame: memoryview) -> memoryview:
         """What of ``frame`` the pipe did not take now (empty: all of it, or the core has gone)."""
@@ -120,7 +124,7 @@ class RequestPipe:
                 with self._lock:
                     while not self._backlog:
                         self._lock.wait()
-                    left = self._write(self._backlog[0])
+                    left = self._write(self._backlog[0])    # the backlog is empty once gone or closed
                     if self._gone:
                         continue
                     if left:
