@@ -267,8 +267,8 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
         metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="flashdecode-metrics-")
     sock = uvicorn.Config(app=None, host=settings.host, port=settings.port).bind_socket()
     core, channels, core_requests = start_shared_core(settings.model, settings.dtype, settings.device,
-                                       EngineConfig(**engine_options(args)), args.api_workers,
-                                       log_config(args.log_level))
+                                                      EngineConfig(**engine_options(args)), args.api_workers,
+                                                      log_config(args.log_level))
     ctx = mp.get_context("spawn")
     workers = [ctx.Process(target=_api_worker, args=(argv, channel, sock), name=f"api-worker-{channel.worker}")
                for channel in channels]
