@@ -14,14 +14,13 @@ them.
 import logging
 import logging.config
 import os
-import queue
 import random
 import signal
 import sys
 import time
 
 from server.engine import process
-from server.engine.core import EngineStats, ModelInfo
+from server.engine.core import EngineStats, ModelInfo, drain_inbox
 from server.engine.params import FinishEvent, TokenEvent
 
 STEP_MS_ENV = "SYNTHETIC_STEP_MS"
@@ -49,13 +48,7 @@ def synthetic_core_main(model, dtype, device, config, request_readers, outboxes,
     rng = random.Random(0)
     next_step = time.monotonic()
     while True:
-        messages = []
-        try:
-            messages.append(inbox.get(timeout=0.5) if not running else inbox.get_nowait())
-            while True:
-                messages.append(inbox.get_nowait())
-        except queue.Empty:
-            pass
+        messages = drain_inbox(inbox, block=not running)
         now = time.monotonic()
         events = []
         for kind, payload in messages:

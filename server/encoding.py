@@ -176,9 +176,8 @@ class PromptEncoder:
             if len(text_marks) >= 2:                 # else keeping it would cost more than it saves
                 keys = chained_keys(text, text_marks)
                 start, ids, kept = self.prefixes.longest(text, text_marks, keys)
-                found = _KeptStart(text_marks, keys, start, ids, kept)
-                return EncodeWork(text, add_special_tokens, len(text) - start, found)
-        return EncodeWork(text, add_special_tokens, len(text))
+                return EncodeWork(text, add_special_tokens, _KeptStart(text_marks, keys, start, ids, kept))
+        return EncodeWork(text, add_special_tokens)
 
     def run(self, work: "EncodeWork") -> tuple[list[int], int]:
         """The ids of ``work``'s text, and how many of its characters kept ids served."""
@@ -239,12 +238,15 @@ class _KeptStart:
 
 @dataclass
 class EncodeWork:
-    """A prompt's encode, prepared (``PromptEncoder.prepare``): ``chars`` is what the tokenizer
-    still has to encode of it."""
+    """A prompt's encode, prepared (``PromptEncoder.prepare``)."""
     text: str
     add_special_tokens: bool
-    chars: int
     kept: _KeptStart | None = None
+
+    @property
+    def chars(self) -> int:
+        """What the tokenizer still has to encode of the text."""
+        return len(self.text) - (self.kept.start if self.kept is not None else 0)
 
     @property
     def small(self) -> bool:

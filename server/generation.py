@@ -1,6 +1,6 @@
-"""API-independent glue between a route and the engine: tokenizing (long texts off the event loop), length
-checks, admission, and one ``Generation`` per admitted request that records metrics, writes
-the request's log line and aborts the engine request if it is left unfinished."""
+"""API-independent glue between a route and the engine: tokenizing (long texts off the event
+loop), length checks, admission, and one ``Generation`` per admitted request that records
+metrics, writes the request's log line and aborts the engine request if it is left unfinished."""
 
 import logging
 import math

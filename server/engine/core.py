@@ -154,7 +154,7 @@ class EngineCore:
         failures = 0
         stats = self.step_stats = StepStats()
         while True:
-            for kind, payload in _drain(inbox, block=not self.busy()):
+            for kind, payload in drain_inbox(inbox, block=not self.busy()):
                 if kind == "stop":
                     return
                 if kind == "add":
@@ -333,7 +333,9 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def _drain(inbox, block: bool) -> list:
+def drain_inbox(inbox, block: bool) -> list:
+    """Every message waiting in ``inbox``; with ``block``, the first may be waited for up to
+    ``IDLE_POLL_S``."""
     messages = []
     try:
         messages.append(inbox.get(timeout=IDLE_POLL_S) if block else inbox.get_nowait())

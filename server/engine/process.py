@@ -35,7 +35,6 @@ import struct
 import threading
 import time
 from collections import deque
-from multiprocessing.connection import wait as wait_for_readable
 
 import transformers
 
@@ -140,9 +139,12 @@ class RequestInbox:
     ``get_nowait()`` raise ``queue.Empty`` when no whole message has come. A pipe whose front end
     has gone is dropped; once none is left, ``("stop", None)`` is what comes."""
 
+    READ_BYTES = 1 << 16
+
     def __init__(self, readers):
-        self._readers = {reader.fileno(): reader for reader in readers}   # Connections, kept open
-        self._pending = {fd: bytearray() for fd in self._readers}
+        self._selector = selectors.DefaultSelector()   # kept: the core looks at its inbox every step
+        for reader in readers:                          # a Connection, kept open by the registration
+            self._selector.register(reader.fileno(), selectors.EVENT_READ, (reader, bytearray()))
         self._ready: deque = deque()
 
     def get(self, timeout: float | None = None):
@@ -158,15 +160,15 @@ class RequestInbox:
         return self.get(0)
 
     def _read(self, timeout: float | None) -> None:
-        if not self._readers:
+        if not self._selector.get_map():
             self._ready.append(("stop", None))
             return
-        for fd in wait_for_readable(list(self._readers), timeout):
-            data = os.read(fd, PIPE_BUFFER_BYTES)
-            if not data:                           # that front end has gone
-                del self._readers[fd], self._pending[fd]
+        for key, _ in self._selector.select(timeout):
+            data = os.read(key.fd, self.READ_BYTES)
+            if not data:                                # that front end has gone
+                self._selector.unregister(key.fd)
                 continue
-            pending = self._pending[fd]
+            pending = key.data[1]
             pending += data
             while len(pending) >= FRAME.size:
                 (size,) = FRAME.unpack_from(pending)
