@@ -1,8 +1,47 @@
-"""Coalescing of server-sent events: tokens already waiting go out in one write."""
+"""Server-sent events: one ``data:`` line per JSON payload; tokens already waiting go out in one
+write."""
 
 import asyncio
+import json
+import math
 
-from server.sse import coalesced
+from hypothesis import given
+from hypothesis import strategies as st
+
+from server.sse import coalesced, sse_json
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats() | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12)
+
+
+def finite(value):
+    """``value`` with each non-finite number as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    return value
+
+
+def sse_data(event: bytes) -> str:
+    """The data of one event, as an EventSource client reads it (WHATWG: lines end at CR, LF or
+    CRLF; the data lines' values joined by LF)."""
+    text = event.decode("utf-8")
+    assert text.endswith("\n\n")
+    lines = text[:-2].replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    assert all(line.startswith("data: ") for line in lines), lines
+    return "\n".join(line.removeprefix("data: ") for line in lines)
+
+
+@given(st.dictionaries(st.text(max_size=8), json_values, max_size=6))
+def test_an_event_is_one_data_line_of_the_payloads_json(payload):
+    event = sse_json(payload)
+    assert event.count(b"\n") == 2 and b"\r" not in event      # one line, then the blank one
+    assert json.loads(sse_data(event)) == finite(payload)       # non-finite numbers are null
 
 
 class FakeGeneration:
