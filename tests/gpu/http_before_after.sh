@@ -58,8 +58,8 @@ def runs(tree, streams):
     for path in sorted((out / tree).glob(f"c{streams}.r*/results.json"), key=lambda p: int(p.parent.name.rsplit(".r", 1)[1])):
         summary = json.loads(path.read_text())["levels"][0]["summary"]
         log = path.parent.parent / f"{path.parent.name}.requests.jsonl"
-        workers = Counter(json.loads(line)["engine_request_id"].split(":")[0]
-                          for line in log.read_text().splitlines() if line.strip())
+        ids = [json.loads(line)["engine_request_id"] for line in log.read_text().splitlines() if line.strip()]
+        workers = Counter(rid.split(":")[0] if ":" in rid else "0" for rid in ids)   # one worker: no prefix
         busiest = max(workers.values()) / sum(workers.values()) if workers else float("nan")
         found.append((summary["output_throughput"], summary["ttft_ms"]["p50"], busiest))
     return found
