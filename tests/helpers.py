@@ -88,15 +88,21 @@ def perturb_small_tensors(model, seed: int = 0, spread: float = 0.2) -> None:
 def runner_teacher_forced(runner, prompt: list[int], continuation: list[int]):
     """Logits of the prompt's last position from one prefill, then of each decode step fed
     ``continuation`` (its last token is not fed): ``[len(continuation), vocab]``."""
-    import torch
-
     from server.engine.block_manager import BlockManager
     from server.engine.sequence import Sequence
 
     blocks = BlockManager(runner.num_blocks, runner.block_size)
     seq = Sequence("tf", prompt, SamplingParams(), seed=0)
     blocks.grow(seq.block_table, seq.length)
-    rows = [runner.prefill([(seq, seq.length)])[0].float()]
+    return decode_continuation(runner, blocks, seq, runner.prefill([(seq, seq.length)])[0], continuation)
+
+
+def decode_continuation(runner, blocks, seq, first_logits, continuation):
+    """``first_logits`` (of the prefill's last position), then the logits of each decode step fed
+    ``continuation`` (its last token is not fed)."""
+    import torch
+
+    rows = [first_logits.float()]
     seq.num_cached = seq.length
     for token in continuation[:-1]:
         seq.append(token)

@@ -14,7 +14,7 @@ from server.engine.config import DEFAULT_PREFILL_BUCKETS
 from server.engine.model_runner import ModelRunner
 from server.engine.sequence import Sequence
 
-from ..helpers import perturb_small_tensors, run_all, tokens_under
+from ..helpers import decode_continuation, perturb_small_tensors, run_all, tokens_under
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -53,18 +53,6 @@ def teacher_forced_after_a_cached_prefix(loaded, prompt, continuation, fused=Tru
         assert runner.prefill_graphs.bucket_for([(seq, seq.length - seq.num_cached)])[1] > 0
     return decode_continuation(runner, blocks, seq, runner.prefill([(seq, seq.length - seq.num_cached)])[0],
                                continuation)
-
-
-def decode_continuation(runner, blocks, seq, first_logits, continuation):
-    """Logits of the prefill's last position, then of each decode step fed ``continuation``."""
-    rows = [first_logits.float()]
-    seq.num_cached = seq.length
-    for token in continuation[:-1]:
-        seq.append(token)
-        blocks.grow(seq.block_table, seq.length)
-        rows.append(runner.decode([seq])[0].float())
-        seq.num_cached = seq.length
-    return torch.stack(rows)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-layers", "transformers-layers"])
