@@ -371,10 +371,25 @@ def _float_projections(model):
     projections = []
     for layer in model.model.layers[:cfg.num_hidden_layers]:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = torch.cat([attn.q_proj.weight[q_rows], attn.k_proj.weight[k_rows], attn.v_proj.weight])
-        projections.append((dense(qkv), dense(attn.o_proj.weight),
-                            dense(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), dense(mlp.down_proj.weight)))
+        qkv = _stacked_rows([(attn.q_proj, q_rows), (attn.k_proj, k_rows), (attn.v_proj, None)])
+        gate_up = _stacked_rows([(mlp.gate_proj, None), (mlp.up_proj, None)])
+        projections.append((dense(qkv), dense(attn.o_proj.weight), dense(gate_up), dense(mlp.down_proj.weight)))
     return projections, dense(model.lm_head.weight)
+
+
+def _stacked_rows(linears) -> torch.Tensor:
+    """The weights of ``linears`` (pairs of a module and the order of its rows, None: as they are)
+    stacked into one tensor; a module whose rows keep their order is pointed at its rows of it,
+    so the model holds those weights once (its own forward is unchanged)."""
+    stacked = torch.cat([lin.weight.detach() if order is None else lin.weight.detach()[order]
+                         for lin, order in linears])
+    row = 0
+    for lin, order in linears:
+        rows = lin.weight.shape[0]
+        if order is None:
+            lin.weight.data = stacked[row:row + rows]
+        row += rows
+    return stacked
 
 
 def from_dense(model, max_positions: int) -> CpuLlama:

@@ -199,3 +199,27 @@ def test_a_conversion_parses_each_file_and_builds_each_name_map_once(tmp_path):
             raise RuntimeError("a failed conversion")
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, map_function)
     assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+
+
+def test_the_float_step_holds_the_models_weights_once():
+    """The float step's stacked q/k/v and gate/up hold the model's v, gate and up weights (the
+    modules point at its rows), its own reordered copy of q and k; the model computes as before."""
+    import copy
+
+    from models import load_model
+
+    model = load_model("random:tiny", dtype="float32", device="cpu").model
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    step = cpu_forward(model, None, "float", 64)
+    within = lambda w, stacked: (w.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr())
+    for layer, ref, (_, qkv, _, _, gate_up, _) in zip(model.model.layers, reference.model.layers, step.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        assert within(attn.v_proj.weight, qkv.weight) and not within(attn.q_proj.weight, qkv.weight)
+        assert within(mlp.gate_proj.weight, gate_up.weight) and within(mlp.up_proj.weight, gate_up.weight)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert torch.equal(getattr(attn, name).weight, getattr(ref.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj"):
+            assert torch.equal(getattr(mlp, name).weight, getattr(ref.mlp, name).weight)
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
