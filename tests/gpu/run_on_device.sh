@@ -78,7 +78,7 @@ if want prefix-engine; then
 fi
 if want tokenize; then
   stamp "prompt encoding: whole against pieces (load_tests.tokenize_bench)"
-  timeout 120 python3 -m load_tests.tokenize_bench --tokens 128 2176 --callers 1 4 16 2>&1 | tee "$OUT/tokenize.md"
+  timeout 120 python3 -m load_tests.tokenize_bench --cases 0:128 0:2176 2048:128 --callers 1 4 16 2>&1 | tee "$OUT/tokenize.md"
   summary+=("prompt encoding: $OUT/tokenize.md")
 fi
 if want http; then
