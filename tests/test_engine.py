@@ -94,6 +94,26 @@ def test_long_prompt_is_prefilled_in_chunks(tiny):
         whole.shutdown()
 
 
+def test_a_preempted_request_waits_behind_a_prompt_being_prefilled_in_chunks(tiny):
+    """Two streams fill a pool of one context while a long prompt is prefilled in chunks between
+    their steps; when both are preempted, neither may stand in front of the prompt that holds
+    blocks, or nothing could run again."""
+    from server.engine import EngineCore
+
+    finished = []
+    core = EngineCore(tiny, EngineConfig(block_size=16, num_blocks=8, max_model_len=128, max_prefill_tokens=32),
+                      publish=lambda pairs, stats: finished.extend(r for r, e in pairs if isinstance(e, FinishEvent)))
+    core.add("a", list(range(10, 20)), SamplingParams(max_new_tokens=100, ignore_eos=True), 1)
+    core.add("b", list(range(30, 40)), SamplingParams(max_new_tokens=100, ignore_eos=True), 2)
+    core.add("long", list(range(100, 200)), SamplingParams(max_new_tokens=10, ignore_eos=True), 3)
+    for _ in range(1000):
+        if not core.busy():
+            break
+        core._publish(core.step())
+    assert sorted(finished) == ["a", "b", "long"] and core.scheduler.preemptions > 0
+    assert core.blocks.num_used == 0
+
+
 def rows(n, **kw):
     base = dict(temperature=[1.0] * n, top_k=[0] * n, top_p=[1.0] * n, repetition_penalty=[1.0] * n,
                 seeds=list(range(n)), positions=[0] * n, history=None, want_logprobs=False)

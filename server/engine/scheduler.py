@@ -13,8 +13,9 @@ a row: the prompts that arrived during a short prefill after a cached prefix ski
 A long prompt's chunks alternate with decode steps, but for a short last chunk, which may follow
 the chunk before it at once (the streams then wait for two prefill steps, never more). When
 the pool cannot hold the next decode token, the newest running sequence is preempted: its
-blocks are freed and it goes back to the front of the queue to be recomputed later (with prefix
-caching, from the blocks of it still cached). A sequence's first prefill chunk starts after the
+blocks are freed and it goes back to the front of the queue (behind a prompt being prefilled in
+chunks, which holds its blocks meanwhile) to be recomputed later (with prefix caching, from the
+blocks of it still cached). A sequence's first prefill chunk starts after the
 longest chain of cached blocks matching its tokens (``BlockManager.match``).
 """
 
@@ -151,7 +152,10 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(seq)
+        # First in line, but behind a prompt whose prefill is under way: that one holds blocks,
+        # and with nothing left running, a sequence ahead of it that needs them could wait forever.
+        ahead = next((i for i, s in enumerate(self.waiting) if not s.block_table), len(self.waiting))
+        self.waiting.insert(ahead, seq)
 
     def remove(self, seq: Sequence, keep_cache: bool = True) -> None:
         """Drop a finished or aborted sequence and return its blocks to the pool (what it
