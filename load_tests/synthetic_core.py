@@ -26,6 +26,7 @@ from server.engine.params import FinishEvent, TokenEvent
 STEP_MS_ENV = "SYNTHETIC_STEP_MS"
 FIRST_TOKEN_ID, LAST_TOKEN_ID = 1000, 20000     # ordinary text tokens of SmolLM2's vocabulary
 CONTEXT = 1 << 20
+VOCAB = 1 << 31                                  # the prompt is ignored: any id will do
 
 
 class _Request:
@@ -43,7 +44,8 @@ def synthetic_core_main(model, dtype, device, config, request_readers, outboxes,
     step_s = float(os.environ.get(STEP_MS_ENV, "1")) / 1e3
     router = process._Router(outboxes)
     inbox = process.RequestInbox(request_readers)
-    router.broadcast(("ready", ModelInfo(model, CONTEXT, CONTEXT, config.block_size, CONTEXT // config.block_size)))
+    router.broadcast(("ready", ModelInfo(model, CONTEXT, CONTEXT, config.block_size, CONTEXT // config.block_size,
+                                         VOCAB)))
     running: dict[str, _Request] = {}
     rng = random.Random(0)
     next_step = time.monotonic()

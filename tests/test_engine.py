@@ -1,5 +1,6 @@
 """Engine pieces on the CPU: pool accounting, scheduling under pressure, sampling, text."""
 
+import asyncio
 import random
 
 import pytest
@@ -112,6 +113,25 @@ def test_a_preempted_request_waits_behind_a_prompt_being_prefilled_in_chunks(tin
         core._publish(core.step())
     assert sorted(finished) == ["a", "b", "long"] and core.scheduler.preemptions > 0
     assert core.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab"])
+def test_a_prompt_id_outside_the_vocabulary_is_refused_and_the_engine_keeps_serving(tiny, bad):
+    engine = Engine(tiny, EngineConfig(max_batch=4, num_blocks=32, block_size=16))
+    engine.start()
+    try:
+        vocab = tiny.model.get_input_embeddings().num_embeddings
+        bad = vocab if bad == "vocab" else bad
+        params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+
+        async def refused():
+            with pytest.raises(ValueError, match=f"token id {bad} is outside the model's vocabulary of {vocab}"):
+                engine.add_request([10, bad, 11], params)
+        asyncio.run(refused())
+        ((tokens, _, finish),) = run_all(engine, [([10, vocab - 1, 11], params)])
+        assert finish.reason == "length" and len(tokens) == 3
+    finally:
+        engine.shutdown()
 
 
 def rows(n, **kw):

@@ -86,6 +86,7 @@ class ModelInfo:
     kv_tokens: int
     block_size: int
     num_blocks: int
+    vocab_size: int                 # rows of the input embedding: a prompt's ids must be below it
 
 
 Publish = Callable[[list[tuple[str, object]], EngineStats], None]
@@ -108,7 +109,7 @@ class EngineCore:
         self.steps = 0
         self.step_stats = StepStats()
         self.info = ModelInfo(loaded.name, self.max_model_len, self.runner.kv_tokens, config.block_size,
-                              self.blocks.num_blocks)
+                              self.blocks.num_blocks, loaded.model.get_input_embeddings().num_embeddings)
         if loaded.device.type == "cuda":
             self._warm_up()
         graphs = self.runner.prefill_graphs

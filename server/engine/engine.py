@@ -109,6 +109,10 @@ class EngineFrontend:
         if not self.ready:
             raise EngineDeadError("the engine is not ready")
         self.validate(len(prompt_ids), params)
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.info.vocab_size:
+            bad = next(i for i in prompt_ids if not 0 <= i < self.info.vocab_size)
+            raise ValueError(f"token id {bad} is outside the model's vocabulary of {self.info.vocab_size} "
+                             f"(0..{self.info.vocab_size - 1})")
         request_id = self.id_prefix + (request_id or f"req-{next(self._ids)}")
         if request_id in self._streams or request_id in self.output:
             raise ValueError(f"request id {request_id!r} is already in flight")
