@@ -41,8 +41,8 @@ class SamplingFields(Lenient):
     top_k: int | None = Field(None, ge=-1, description="0 or -1 turn the top-k cut off.")
     repetition_penalty: FiniteFloat | None = Field(None, ge=0.01, le=10.0)
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
-    min_tokens: int = Field(0, ge=0, description="Neither the end-of-sequence token nor stop_token_ids "
-                                                 "end the generation before this many tokens.")
+    min_tokens: int = Field(0, ge=0, description="Neither the end-of-sequence token, stop_token_ids nor stop "
+                                                 "strings end the generation before this many tokens.")
     stop_token_ids: list[TokenId] | None = Field(
         None, max_length=MAX_STOP_TOKEN_IDS, description="Token ids that end the generation (finish_reason "
                                                          "'stop'); the token itself is not in the text.")

@@ -67,6 +67,22 @@ def test_a_stop_string_ends_the_request_at_once_and_asks_the_core_to_abort(tiny)
     assert "r" not in processor and len(processor) == 0
 
 
+def test_a_stop_string_ends_the_text_only_after_min_tokens(tiny):
+    """As vLLM: the first ``min_tokens`` tokens' text is not searched for stop strings (they end
+    with the token after); a stop string within them stays in the text."""
+    tok = tiny.tokenizer
+    ids = tok(" ab cd ab cd ab cd ab cd")["input_ids"]
+    first = next(n for n in range(1, len(ids) + 1) if "cd" in tok.decode(ids[:n]))
+    later = next(n for n in range(first + 1, len(ids) + 1) if tok.decode(ids[:n]).count("cd") == 2)
+    for min_tokens, ends_at in ((0, first), (first - 1, first), (first, later)):
+        processor = OutputProcessor(tok)
+        processor.add("r", [1], SamplingParams(stop=("cd",), min_tokens=min_tokens, max_new_tokens=len(ids)))
+        events, aborts = feed(processor, "r", ids)
+        done = events[-1][1]
+        assert aborts == ["r"] and done.reason == "stop" and done.completion_tokens == ends_at, min_tokens
+        assert "".join(e.text for _, e in events[:-1]) == done.text == tok.decode(ids[:ends_at]).rsplit("cd", 1)[0]
+
+
 def test_text_that_may_begin_a_stop_is_held_back_until_the_last_token(tiny):
     tok = tiny.tokenizer
     ids = tok(" one two thr")["input_ids"]

@@ -17,7 +17,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     ignore_eos: bool = False
-    min_tokens: int = 0                 # EOS and stop_token_ids do not end the request before this many
+    min_tokens: int = 0                 # EOS, stop_token_ids and stop strings do not end the request before this many
     stop_token_ids: frozenset[int] = frozenset()   # these end the request ("stop"), as EOS does
     # prefix-cache blocks are shared only among requests with the same salt; a secret, kept out of reprs
     cache_salt: str | None = field(default=None, repr=False)
