@@ -106,7 +106,8 @@ SAMPLING_EPS = 1e-5     # temperatures below this sample as greedy (vLLM's rule)
 def sampling_params(engine, *, max_new_tokens: int, temperature: float, top_p: float | None,
                     top_k: int | None, repetition_penalty: float | None, seed: int | None,
                     stop: tuple[str, ...], logprobs: bool, ignore_eos: bool, min_tokens: int = 0,
-                    stop_token_ids: tuple[int, ...] = (), cache_salt: str | None = None) -> SamplingParams:
+                    stop_token_ids: tuple[int, ...] = (), cache_salt: str | None = None,
+                    include_stop_str_in_output: bool = False) -> SamplingParams:
     """SamplingParams with degenerate values made plain: a top_k at or past the vocabulary
     (or vLLM's -1) is no cut, a vanishing temperature is greedy."""
     top_k = top_k or 0
@@ -121,7 +122,8 @@ def sampling_params(engine, *, max_new_tokens: int, temperature: float, top_p: f
                           top_p=1.0 if top_p is None else top_p, top_k=top_k,
                           repetition_penalty=repetition_penalty or 1.0, seed=seed, stop=stop,
                           logprobs=logprobs, ignore_eos=ignore_eos, min_tokens=min_tokens,
-                          stop_token_ids=frozenset(stop_token_ids), cache_salt=cache_salt)
+                          stop_token_ids=frozenset(stop_token_ids), cache_salt=cache_salt,
+                          include_stop_str_in_output=include_stop_str_in_output)
 
 
 def finite_or_none(x: float | None) -> float | None:

@@ -48,7 +48,7 @@ def openai_sampling(engine, body: SamplingFields, max_new_tokens: int, logprobs:
                            repetition_penalty=body.repetition_penalty, seed=body.seed,
                            stop=body.stop_tuple(), logprobs=logprobs, ignore_eos=body.ignore_eos,
                            min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
-                           cache_salt=body.cache_salt)
+                           cache_salt=body.cache_salt, include_stop_str_in_output=body.include_stop_str_in_output)
 
 
 def warn_ignored(body: SamplingFields, request: Request) -> None:

@@ -42,7 +42,8 @@ def tgi_sampling(engine, p: GenerateParameters, max_new_tokens: int) -> Sampling
         seed = secrets.randbits(63)     # reported in details, so a sample can be replayed
     return sampling_params(engine, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_p=p.top_p, top_k=p.top_k, repetition_penalty=p.repetition_penalty,
-                           seed=seed, stop=tuple(p.stop), logprobs=True, ignore_eos=p.ignore_eos)
+                           seed=seed, stop=tuple(p.stop), logprobs=True, ignore_eos=p.ignore_eos,
+                           include_stop_str_in_output=True)    # TGI's generated_text ends with the stop sequence
 
 
 def token_json(event: TokenEvent) -> dict:

@@ -116,7 +116,8 @@ class GenerateParameters(Strict):
     repetition_penalty: FiniteFloat | None = Field(None, ge=0.01, le=10.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[StopSequence] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES,
-                                     description="Generation stops before any of these strings.")
+                                     description="Generation stops at any of these strings; the text ends "
+                                                 "with it, as TGI's does.")
     details: bool = Field(False, description="Add finish reason, token count, seed and tokens.")
     return_full_text: bool | None = Field(False, description="Prepend the prompt to generated_text.")
     truncate: int | None = Field(None, ge=1, description="Keep only the last `truncate` prompt tokens.")

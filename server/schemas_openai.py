@@ -43,6 +43,8 @@ class SamplingFields(Lenient):
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     min_tokens: int = Field(0, ge=0, description="Neither the end-of-sequence token, stop_token_ids nor stop "
                                                  "strings end the generation before this many tokens.")
+    include_stop_str_in_output: bool = Field(False, description="true: the text ends after the stop string "
+                                                                 "that ended it, not before.")
     stop_token_ids: list[TokenId] | None = Field(
         None, max_length=MAX_STOP_TOKEN_IDS, description="Token ids that end the generation (finish_reason "
                                                          "'stop'); the token itself is not in the text.")

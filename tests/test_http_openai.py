@@ -52,6 +52,18 @@ def test_chat_streamed_and_not_agree(client, model_name):
     assert all(c.usage is None for c in chunks)
 
 
+@pytest.mark.parametrize("include, expected", [(False, "The capital of France"),
+                                               (True, "The capital of France is")])
+def test_a_stop_string_ends_the_text_before_it_or_with_vllms_extension_after_it(client, model_name, include,
+                                                                               expected):
+    kwargs = dict(model=model_name, messages=QUESTION, max_tokens=16, temperature=0, stop=[" is"],
+                  extra_body={"include_stop_str_in_output": include})
+    full = client.chat.completions.create(**kwargs)
+    assert full.choices[0].message.content == expected and full.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+
+
 def test_chat_stream_with_usage_and_logprobs(client, model_name):
     chunks = list(client.chat.completions.create(
         model=model_name, messages=QUESTION, max_completion_tokens=3, temperature=0, stream=True,

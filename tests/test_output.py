@@ -83,6 +83,17 @@ def test_a_stop_string_ends_the_text_only_after_min_tokens(tiny):
         assert "".join(e.text for _, e in events[:-1]) == done.text == tok.decode(ids[:ends_at]).rsplit("cd", 1)[0]
 
 
+def test_with_include_stop_str_in_output_the_text_ends_after_the_stop_string(tiny):
+    tok = tiny.tokenizer
+    ids = tok(" alpha beta gamma delta epsilon")["input_ids"]
+    processor = OutputProcessor(tok)
+    processor.add("r", [1, 2, 3], SamplingParams(stop=("mma d", "beta gamma x"), include_stop_str_in_output=True))
+    events, aborts = feed(processor, "r", ids)
+    done = events[-1][1]
+    assert aborts == ["r"] and done.reason == "stop"
+    assert "".join(e.text for _, e in events[:-1]) == done.text == " alpha beta gamma d"
+
+
 def test_text_that_may_begin_a_stop_is_held_back_until_the_last_token(tiny):
     tok = tiny.tokenizer
     ids = tok(" one two thr")["input_ids"]

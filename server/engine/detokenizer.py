@@ -60,16 +60,19 @@ class StopMatcher:
         self.stops = tuple(s for s in stops if s)
         self._hold = max((len(s) for s in self.stops), default=1) - 1
 
-    def scan(self, text: str, emitted: int, added: int, may_stop: bool = True) -> tuple[int, bool]:
+    def scan(self, text: str, emitted: int, added: int, may_stop: bool = True,
+             include: bool = False) -> tuple[int, bool]:
         """Given the whole ``text``, of which ``emitted`` chars were released and the last
         ``added`` are new: returns (how far text may now be released, whether a stop matched,
-        in which case text must be cut at that point). Not ``may_stop`` (before min_tokens):
-        the tail is held back all the same, and nothing matches."""
+        in which case text must be cut at that point: before the first stop string found, or
+        with ``include`` after it). Not ``may_stop`` (before min_tokens): the tail is held back
+        all the same, and nothing matches."""
         if not self.stops:
             return len(text), False
         if may_stop:
             lo = max(0, len(text) - added - self._hold)
-            cut = min((i for i in (text.find(s, lo) for s in self.stops) if i >= 0), default=-1)
-            if cut >= 0:
-                return cut, True
+            found = [(i, s) for s in self.stops if (i := text.find(s, lo)) >= 0]
+            if found:
+                start, stop = min(found, key=lambda f: f[0])
+                return start + len(stop) if include else start, True
         return max(emitted, len(text) - self._hold), False

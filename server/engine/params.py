@@ -15,6 +15,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False   # the text ends after the stop string instead of before it
     logprobs: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0                 # EOS, stop_token_ids and stop strings do not end the request before this many
