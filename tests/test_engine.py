@@ -134,6 +134,18 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused_and_the_engine_keeps_serv
         engine.shutdown()
 
 
+def test_a_pool_smaller_than_the_context_serves_and_advertises_the_pools_length(tiny, caplog):
+    from server.engine import EngineCore
+
+    with caplog.at_level("WARNING", logger="server.engine.core"):
+        core = EngineCore(tiny, EngineConfig(max_batch=2, num_blocks=4, block_size=16), publish=lambda p, s: None)
+    assert tiny.max_model_len > 64 and core.info.max_model_len == core.scheduler.max_model_len == 64
+    assert f"fewer than the context length of {tiny.max_model_len}" in caplog.text
+    roomy = EngineCore(tiny, EngineConfig(max_batch=2, num_blocks=4, block_size=16, max_model_len=48),
+                       publish=lambda p, s: None)
+    assert roomy.info.max_model_len == 48
+
+
 def rows(n, **kw):
     base = dict(temperature=[1.0] * n, top_k=[0] * n, top_p=[1.0] * n, repetition_penalty=[1.0] * n,
                 seeds=list(range(n)), positions=[0] * n, history=None, want_logprobs=False)

@@ -102,6 +102,11 @@ class EngineCore:
         self.publish = publish
         started = time.monotonic()
         self.runner = ModelRunner(loaded, config, self.max_model_len)
+        if self.runner.kv_tokens < self.max_model_len:      # a pool sized by --num-blocks or the CPU's token budget
+            log.warning("the KV pool holds %d tokens, fewer than the context length of %d: the context served "
+                        "(and advertised) is %d tokens", self.runner.kv_tokens, self.max_model_len,
+                        self.runner.kv_tokens)
+            self.max_model_len = self.runner.kv_tokens
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching,
                                    salt=f"{loaded.name}|{loaded.dtype}")
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens, self.max_model_len,
