@@ -7,6 +7,8 @@
 #   start_server LABEL DIR TREE FRACTION [server flags...]   # a server of TREE's code, its log in DIR;
 #                                                            # sets server_LABEL and port_LABEL
 #   loadgen NAME [loadgen flags...]                          # one run against $port, into $dir/NAME
+#                                                            # (with $cpu_pid set: the CPU seconds that
+#                                                            # server's processes spent, into $dir/NAME.cpu_s)
 
 # The servers on one half of the CPUs, the clients on the other: whichever server is loaded gets
 # the same cores. Unpinned, two instances of one server differed by 10-15 %, the sign changing
@@ -30,10 +32,12 @@ free_port() { python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1
 loadgen() {
   local name=$1; shift
   local first; first=$(wc -l < "$dir/server.log")
+  local cpu_before; [ -n "${cpu_pid:-}" ] && cpu_before=$(python3 -m load_tests.process_cpu "$cpu_pid")
   pinned "$CLIENT_CPUS" timeout 600 python3 -m load_tests.loadgen --base-url "http://127.0.0.1:$port" --output-len "$OUTPUT" \
       --output-range "${OUTPUT_RANGE:-0}" --warmup 2 --no-progress --no-plots --workers "$WORKERS" --max-duration "$SECONDS_PER_LEVEL" \
       --out-dir "$dir/$name" "$@" > "$dir/$name.log" 2>&1 \
     || { echo "loadgen $name failed:"; tail -5 "$dir/$name.log"; }
+  [ -n "${cpu_pid:-}" ] && python3 -c "print(round($(python3 -m load_tests.process_cpu "$cpu_pid") - $cpu_before, 2))" > "$dir/$name.cpu_s"
   # the server's own timings of this run's requests (its request log), the two warm-ups left out
   tail -n +$((first + 1)) "$dir/server.log" | grep '"request finished"' | tail -n +3 > "$dir/$name.requests.jsonl"
   grep -E "c=[0-9]+: " "$dir/$name.log" | sed "s/^.*loadgen INFO /  $name /"
