@@ -15,8 +15,8 @@ the chunk before it at once (the streams then wait for two prefill steps, never 
 the pool cannot hold the next decode token, the newest running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue (behind a prompt being prefilled in
 chunks, which holds its blocks meanwhile) to be recomputed later (with prefix caching, from the
-blocks of it still cached). A sequence's first prefill chunk starts after the
-longest chain of cached blocks matching its tokens (``BlockManager.match``).
+blocks of it still cached). A sequence's first prefill chunk starts after the longest chain of
+cached blocks matching its tokens (``BlockManager.match``).
 """
 
 from collections import deque
