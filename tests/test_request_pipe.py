@@ -63,6 +63,26 @@ def test_the_inbox_reads_every_pipe_and_stops_once_all_writers_have_gone():
     assert inbox.get(timeout=5) == ("stop", None)
 
 
+def test_the_core_stops_reading_at_a_stop_once_its_writers_have_gone():
+    """An inbox without writers answers every read with a stop: the core's drain must end there."""
+    from server.engine.core import drain_inbox
+
+    reader, writer = event_pipe(mp.get_context("spawn"))
+    pipe = RequestPipe(writer)
+    inbox = RequestInbox([reader])
+    pipe.send(("abort", "x"))
+    pipe.close()
+    got = []
+
+    def core_loop():                                      # as EngineCore.run reads its inbox
+        while ("stop", None) not in got:
+            got.extend(drain_inbox(inbox, block=True))
+    drainer = threading.Thread(target=core_loop, daemon=True)
+    drainer.start()
+    drainer.join(timeout=10)
+    assert not drainer.is_alive() and got == [("abort", "x"), ("stop", None)]
+
+
 @pytest.mark.parametrize("backlogged", [False, True])
 def test_a_gone_core_takes_nothing_and_the_sender_goes_on(backlogged):
     reader, writer = event_pipe(mp.get_context("spawn"))

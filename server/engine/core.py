@@ -340,12 +340,13 @@ def freeze_startup_heap() -> None:
 
 
 def drain_inbox(inbox, block: bool) -> list:
-    """Every message waiting in ``inbox``; with ``block``, the first may be waited for up to
-    ``IDLE_POLL_S``."""
+    """Every message waiting in ``inbox``, up to a stop (after which nothing is read: an inbox
+    whose writers have all gone answers every read with one); with ``block``, the first may be
+    waited for up to ``IDLE_POLL_S``."""
     messages = []
     try:
         messages.append(inbox.get(timeout=IDLE_POLL_S) if block else inbox.get_nowait())
-        while True:
+        while messages[-1][0] != "stop":
             messages.append(inbox.get_nowait())
     except queue.Empty:
         pass
