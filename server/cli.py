@@ -265,6 +265,14 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
             os.remove(old)                         # an earlier run's counts (prometheus_client asks for this)
     else:
         metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="flashdecode-metrics-")
+    signals: list[int] = []
+
+    def on_signal(signum, frame):
+        signals.append(signum)
+
+    # before any child starts: a signal while they start must still stop them all
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     sock = uvicorn.Config(app=None, host=settings.host, port=settings.port).bind_socket()
     core, channels, core_requests = start_shared_core(settings.model, settings.dtype, settings.device,
                                                       EngineConfig(**engine_options(args)), args.api_workers,
@@ -277,13 +285,6 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
     for channel in channels:
         channel.close()                            # each worker holds its pipes' only ends on this side now
     log.info("engine process %d, API worker processes %s", core.pid, [w.pid for w in workers])
-    signals: list[int] = []
-
-    def on_signal(signum, frame):
-        signals.append(signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     core_died = False
     try:
         while core.is_alive() and all(w.is_alive() for w in workers) and not signals:
@@ -294,6 +295,10 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
             log.info("received %s: the API workers drain", signal.Signals(signals[0]).name)
         if core_died:                              # the workers saw their pipes end and failed their streams
             log.error("the engine process exited", extra={"fields": {"exitcode": core.exitcode}})
+        for worker in workers if not signals else ():
+            if not worker.is_alive():
+                log.error("an API worker exited; the others drain", extra={"fields": {
+                    "pid": worker.pid, "exitcode": worker.exitcode}})
         for worker in workers:
             if worker.is_alive():
                 worker.terminate()                 # SIGTERM: each drains (server/shutdown.py)
@@ -302,6 +307,9 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5)
+        if not core_died and not core.is_alive():  # it died during the drain
+            core_died = True
+            log.error("the engine process exited", extra={"fields": {"exitcode": core.exitcode}})
         stop_core(core, core_requests)
         sock.close()
         if metrics_dir is not None:

@@ -74,3 +74,15 @@ def test_a_dead_engine_process_ends_every_open_stream_with_an_error(start_server
         time.sleep(0.2)
     assert server.process.returncode == 1
     assert "the engine process exited" in server.log_path.read_text()
+
+
+def test_a_dead_api_worker_makes_the_server_drain_and_exit_with_an_error(start_server):
+    server = start_server("--api-workers", "2")
+    log = server.log_path.read_text()
+    workers = [int(pid) for pid in re.search(r"API worker processes \[([\d, ]+)\]", log).group(1).split(", ")]
+    os.kill(workers[0], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while server.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.process.returncode == 1
+    assert re.search(rf'"an API worker exited; the others drain".*"pid": {workers[0]}', server.log_path.read_text())
