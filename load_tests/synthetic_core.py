@@ -31,7 +31,7 @@ VOCAB = 1 << 31                                  # the prompt is ignored: any id
 
 class _Request:
     def __init__(self, prompt_tokens: int, max_new_tokens: int, now: float):
-        self.prompt_tokens, self.left, self.arrival = prompt_tokens, max_new_tokens, now
+        self.prompt_tokens, self.max_new_tokens, self.arrival = prompt_tokens, max_new_tokens, now
         self.made = 0
         self.first_token: float | None = None
 
@@ -75,10 +75,10 @@ def synthetic_core_main(model, dtype, device, config, request_readers, outboxes,
             if first:
                 request.first_token = now
             request.made += 1
-            request.left -= 1
+            last = request.made == request.max_new_tokens
             events.append((request_id, TokenEvent(rng.randrange(FIRST_TOKEN_ID, LAST_TOKEN_ID), "", None, False, now,
-                                                  request.left == 0, 0 if first else None)))
-            if request.left == 0:
+                                                  last, 0 if first else None)))
+            if last:
                 events.append((request_id, _finish(running.pop(request_id), "length", now)))
         router(events, _stats(running))
 

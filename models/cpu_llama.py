@@ -28,6 +28,7 @@ from .attention import AttentionBatch, head_dim_of, prefill_attention
 from .cpu_attention import DecodePlan, split_kv_decode, write_new_kv
 from .cpu_decode import compiled_decode_layer, mark_block_count, mark_sizes
 from .cpu_threads import ALL_THREADS, ThreadChooser
+from .fused_decoder import fuse_rows
 from .quantized import ACT_DTYPE, DenseLinear, GgufTensor, Int4Linear, QuantizedEmbedding, linear_from_gguf, read_gguf
 
 log = logging.getLogger(__name__)
@@ -368,28 +369,14 @@ def _float_projections(model):
     q_rows = torch.from_numpy(interleave_rows(cfg.num_attention_heads, d))
     k_rows = torch.from_numpy(interleave_rows(cfg.num_key_value_heads, d))
     dense = lambda w: _act_dtype(DenseLinear(w.contiguous()), model.model.embed_tokens.weight.dtype)
+    weight = lambda lin: lin.weight
     projections = []
     for layer in model.model.layers[:cfg.num_hidden_layers]:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = _stacked_rows([(attn.q_proj, q_rows), (attn.k_proj, k_rows), (attn.v_proj, None)])
-        gate_up = _stacked_rows([(mlp.gate_proj, None), (mlp.up_proj, None)])
+        qkv = fuse_rows(weight, [attn.q_proj, attn.k_proj, attn.v_proj], [q_rows, k_rows, None])
+        gate_up = fuse_rows(weight, [mlp.gate_proj, mlp.up_proj])
         projections.append((dense(qkv), dense(attn.o_proj.weight), dense(gate_up), dense(mlp.down_proj.weight)))
     return projections, dense(model.lm_head.weight)
-
-
-def _stacked_rows(linears) -> torch.Tensor:
-    """The weights of ``linears`` (pairs of a module and the order of its rows, None: as they are)
-    stacked into one tensor; a module whose rows keep their order is pointed at its rows of it,
-    so the model holds those weights once (its own forward is unchanged)."""
-    stacked = torch.cat([lin.weight.detach() if order is None else lin.weight.detach()[order]
-                         for lin, order in linears])
-    row = 0
-    for lin, order in linears:
-        rows = lin.weight.shape[0]
-        if order is None:
-            lin.weight.data = stacked[row:row + rows]
-        row += rows
-    return stacked
 
 
 def from_dense(model, max_positions: int) -> CpuLlama:

@@ -90,14 +90,18 @@ def _rotary_tables(model, max_positions: int, head_dim: int, device) -> dict[str
     return tables
 
 
-def _fuse(tensors_of, linears) -> torch.Tensor:
-    """One tensor of the modules' ``tensors_of(lin)`` stacked, the modules pointed at its views."""
+def fuse_rows(tensors_of, linears, orders=None) -> torch.Tensor:
+    """One tensor of the modules' ``tensors_of(lin)`` stacked, each one's rows in its order of
+    ``orders`` (None: as they are); a module whose rows keep their order is pointed at its view,
+    so the model holds those weights once and computes as before."""
+    orders = orders or [None] * len(linears)
     parts = [tensors_of(lin) for lin in linears]
-    fused = torch.cat([p.detach() for p in parts]).contiguous()
+    fused = torch.cat([p.detach() if order is None else p.detach()[order] for p, order in zip(parts, orders)])
     row = 0
-    for part in parts:
+    for part, order in zip(parts, orders):
         rows = part.shape[0]
-        part.data = fused[row:row + rows]
+        if order is None:
+            part.data = fused[row:row + rows]
         row += rows
     return fused
 
@@ -164,15 +168,15 @@ class FusedDecoder:
                 sandwich = family.sandwich_norms
                 self.layers.append(FusedLayer(
                     norm_in=_norm_weight(layer.input_layernorm, family),
-                    qkv=_fuse(lambda lin: lin.weight, qkv_linears),
-                    qkv_bias=_fuse(lambda lin: lin.bias, qkv_linears) if has_bias else None,
+                    qkv=fuse_rows(lambda lin: lin.weight, qkv_linears),
+                    qkv_bias=fuse_rows(lambda lin: lin.bias, qkv_linears) if has_bias else None,
                     q_norm=None if q_norm is None else _norm_weight(q_norm, family),
                     k_norm=None if k_norm is None else _norm_weight(k_norm, family),
                     o_proj=attn.o_proj.weight,
                     attn_out_norm=_norm_weight(layer.post_attention_layernorm, family) if sandwich else None,
                     norm_mlp=_norm_weight(layer.pre_feedforward_layernorm if sandwich
                                           else layer.post_attention_layernorm, family),
-                    gate_up=_fuse(lambda lin: lin.weight, [mlp.gate_proj, mlp.up_proj]),
+                    gate_up=fuse_rows(lambda lin: lin.weight, [mlp.gate_proj, mlp.up_proj]),
                     down=mlp.down_proj.weight,
                     mlp_out_norm=_norm_weight(layer.post_feedforward_layernorm, family) if sandwich else None,
                     cos_sin=tables[layer_types[i] if None not in tables else None],

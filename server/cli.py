@@ -285,20 +285,17 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
     for channel in channels:
         channel.close()                            # each worker holds its pipes' only ends on this side now
     log.info("engine process %d, API worker processes %s", core.pid, [w.pid for w in workers])
-    core_died = False
     try:
         while core.is_alive() and all(w.is_alive() for w in workers) and not signals:
             time.sleep(0.2)
-        core_died = not core.is_alive()
     finally:
         if signals:
             log.info("received %s: the API workers drain", signal.Signals(signals[0]).name)
-        if core_died:                              # the workers saw their pipes end and failed their streams
-            log.error("the engine process exited", extra={"fields": {"exitcode": core.exitcode}})
-        for worker in workers if not signals else ():
-            if not worker.is_alive():
-                log.error("an API worker exited; the others drain", extra={"fields": {
-                    "pid": worker.pid, "exitcode": worker.exitcode}})
+        else:
+            for worker in workers:
+                if not worker.is_alive():
+                    log.error("an API worker exited; the others drain", extra={"fields": {
+                        "pid": worker.pid, "exitcode": worker.exitcode}})
         for worker in workers:
             if worker.is_alive():
                 worker.terminate()                 # SIGTERM: each drains (server/shutdown.py)
@@ -307,8 +304,8 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5)
-        if not core_died and not core.is_alive():  # it died during the drain
-            core_died = True
+        core_died = not core.is_alive()            # before the drain or during it: the workers failed its streams
+        if core_died:
             log.error("the engine process exited", extra={"fields": {"exitcode": core.exitcode}})
         stop_core(core, core_requests)
         sock.close()

@@ -56,17 +56,17 @@ def step_all(detokenizers: list[IncrementalDetokenizer], token_ids: list[int], t
 class StopMatcher:
     """Finds stop strings in the growing text and holds back any tail that could still begin one."""
 
-    def __init__(self, stops: tuple[str, ...]):
+    def __init__(self, stops: tuple[str, ...], include: bool = False):
+        """``include``: a match cuts the text after the stop string instead of before it."""
         self.stops = tuple(s for s in stops if s)
+        self.include = include
         self._hold = max((len(s) for s in self.stops), default=1) - 1
 
-    def scan(self, text: str, emitted: int, added: int, may_stop: bool = True,
-             include: bool = False) -> tuple[int, bool]:
+    def scan(self, text: str, emitted: int, added: int, may_stop: bool = True) -> tuple[int, bool]:
         """Given the whole ``text``, of which ``emitted`` chars were released and the last
         ``added`` are new: returns (how far text may now be released, whether a stop matched,
-        in which case text must be cut at that point: before the first stop string found, or
-        with ``include`` after it). Not ``may_stop`` (before min_tokens): the tail is held back
-        all the same, and nothing matches."""
+        in which case text must be cut at that point, at the first stop string found). Not
+        ``may_stop`` (before min_tokens): the tail is held back all the same, and nothing matches."""
         if not self.stops:
             return len(text), False
         if may_stop:
@@ -74,5 +74,5 @@ class StopMatcher:
             found = [(i, s) for s in self.stops if (i := text.find(s, lo)) >= 0]
             if found:
                 start, stop = min(found, key=lambda f: f[0])
-                return start + len(stop) if include else start, True
+                return start + len(stop) if self.include else start, True
         return max(emitted, len(text) - self._hold), False

@@ -89,7 +89,8 @@ class EngineFrontend:
     def _send(self, message) -> None:
         raise NotImplementedError
 
-    def validate(self, prompt_tokens: int, params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        prompt_tokens = len(prompt_ids)
         if prompt_tokens < 1:
             raise ValueError("the prompt is empty")
         if params.max_new_tokens < 1:
@@ -100,6 +101,10 @@ class EngineFrontend:
                              f"is {total}, over the context length of {self.info.max_model_len}")
         if total > self.info.kv_tokens:
             raise ValueError(f"{total} tokens do not fit in the KV pool ({self.info.kv_tokens} tokens)")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.info.vocab_size:
+            bad = next(i for i in prompt_ids if not 0 <= i < self.info.vocab_size)
+            raise ValueError(f"token id {bad} is outside the model's vocabulary of {self.info.vocab_size} "
+                             f"(0..{self.info.vocab_size - 1})")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> RequestStream:
@@ -108,11 +113,7 @@ class EngineFrontend:
             raise EngineDeadError(self.error)
         if not self.ready:
             raise EngineDeadError("the engine is not ready")
-        self.validate(len(prompt_ids), params)
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.info.vocab_size:
-            bad = next(i for i in prompt_ids if not 0 <= i < self.info.vocab_size)
-            raise ValueError(f"token id {bad} is outside the model's vocabulary of {self.info.vocab_size} "
-                             f"(0..{self.info.vocab_size - 1})")
+        self.validate(prompt_ids, params)
         request_id = self.id_prefix + (request_id or f"req-{next(self._ids)}")
         if request_id in self._streams or request_id in self.output:
             raise ValueError(f"request id {request_id!r} is already in flight")

@@ -22,9 +22,8 @@ class RequestText:
         self.arrival = time.monotonic()
         self.first_token: float | None = None
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
-        self.stops = StopMatcher(params.stop)
+        self.stops = StopMatcher(params.stop, params.include_stop_str_in_output)
         self.min_tokens = params.min_tokens    # a stop string ends the text from the token after these on
-        self.include_stop = params.include_stop_str_in_output
         self.text = ""                   # decoded output so far (cut at a stop string)
         self.emitted = 0                 # characters of text already streamed
         self.tokens = 0                  # tokens streamed (through the one completing a stop string)
@@ -100,8 +99,7 @@ class OutputProcessor:
             state.cached_tokens = event.cached_tokens
         state.text += delta
         release, state.stopped = state.stops.scan(state.text, state.emitted, len(delta),
-                                                  may_stop=state.tokens > state.min_tokens,
-                                                  include=state.include_stop)
+                                                  may_stop=state.tokens > state.min_tokens)
         if state.stopped:
             state.text = state.text[:release]
         event.last = event.last or state.stopped

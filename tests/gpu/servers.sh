@@ -37,7 +37,8 @@ loadgen() {
       --output-range "${OUTPUT_RANGE:-0}" --warmup 2 --no-progress --no-plots --workers "$WORKERS" --max-duration "$SECONDS_PER_LEVEL" \
       --out-dir "$dir/$name" "$@" > "$dir/$name.log" 2>&1 \
     || { echo "loadgen $name failed:"; tail -5 "$dir/$name.log"; }
-  [ -n "${cpu_pid:-}" ] && python3 -c "print(round($(python3 -m load_tests.process_cpu "$cpu_pid") - $cpu_before, 2))" > "$dir/$name.cpu_s"
+  [ -n "${cpu_pid:-}" ] && awk -v a="$cpu_before" -v b="$(python3 -m load_tests.process_cpu "$cpu_pid")" \
+      'BEGIN { printf "%.2f\n", b - a }' > "$dir/$name.cpu_s"
   # the server's own timings of this run's requests (its request log), the two warm-ups left out
   tail -n +$((first + 1)) "$dir/server.log" | grep '"request finished"' | tail -n +3 > "$dir/$name.requests.jsonl"
   grep -E "c=[0-9]+: " "$dir/$name.log" | sed "s/^.*loadgen INFO /  $name /"
