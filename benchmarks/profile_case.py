@@ -1,7 +1,7 @@
 """One benchmark case, called eagerly, for an external profiler:
-``ncu --kernel-name regex:split_kernel python -m kernels.profile_case --shape 9/3/64 --batch 8 --seq-len 4096``.
+``ncu --kernel-name regex:split_kernel python -m benchmarks.profile_case --shape 9/3/64 --batch 8 --seq-len 4096``.
 
-The inputs are bench.py's (paged cache, the default block size, shuffled block table, enough input sets
+The inputs are kernel_bench.py's (paged cache, the default block size, shuffled block table, enough input sets
 to stream past the L2); ``--calls`` calls rotate over them, so a profiler that skips the first
 few launches sees a call with a cold L2, as the benchmark does.
 """
@@ -10,8 +10,10 @@ import argparse
 
 import torch
 
-from . import bench, ops
-from .paging import DEFAULT_BLOCK_SIZE
+from kernels import ops
+from kernels.paging import DEFAULT_BLOCK_SIZE
+
+from . import kernel_bench as bench
 
 
 def main(argv=None):

@@ -1,4 +1,4 @@
-"""Kernel benchmark: ``python -m kernels.bench [--out DIR]``.
+"""Kernel benchmark: ``python -m benchmarks.kernel_bench [--out DIR]``.
 
 For each shape (Hq/Hkv/D), batch and length of the grid (bf16), times our paged flash decode
 and PyTorch SDPA's cuDNN and flash backends on contiguous ``[B, Hkv, M, D]`` KV with
@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import constants, ops
-from .kv_quant import quantize, scales_from_amax
-from .paging import DEFAULT_BLOCK_SIZE, pack_paged
-from .workspace import Workspace
+from kernels import constants, ops
+from kernels.kv_quant import quantize, scales_from_amax
+from kernels.paging import DEFAULT_BLOCK_SIZE, pack_paged
+from kernels.workspace import Workspace
 
 SHAPES = ((9, 3, 64), (32, 8, 128), (4, 1, 256))   # SmolLM2-135M, Llama-3-8B, Gemma-3-270M/1B
 BATCHES = (1, 8, 64)

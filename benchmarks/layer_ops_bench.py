@@ -1,10 +1,10 @@
-"""Projection benchmark: ``python -m kernels.bench_layer_ops [--out DIR]``.
+"""Projection benchmark: ``python -m benchmarks.layer_ops_bench [--out DIR]``.
 
 Times a decode step's projections of a few rows as the product runs them through our GEMV
 (``torch.ops.flashdecode.gemv`` / ``add_rms_norm_gemv``: the residual add and RMSNorm in front of
 the q/k/v and gate/up projections, the gated activation behind gate/up) against what runs
 otherwise: cuBLAS through ``F.linear`` with our norm and activation kernels around it. bf16, the
-way ``kernels.bench`` times attention: CUDA-graph replay of calls rotating over enough weight
+way ``benchmarks.kernel_bench`` times attention: CUDA-graph replay of calls rotating over enough weight
 copies to stream past the 60 MB L2 (a decode step reads each layer's weights from HBM), median
 per call. Prints a Markdown table; where ours wins sets ``layer_ops.gemv_serves``.
 """
@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import layer_ops, ops
-from .bench import ROTATE_BYTES, time_per_call_us
+from kernels import layer_ops, ops
+
+from .kernel_bench import ROTATE_BYTES, time_per_call_us
 
 # (name, n, k, norm in front, gated epilogue): the projections of five model shapes
 PROJECTIONS = (
