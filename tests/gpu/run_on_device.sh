@@ -15,7 +15,7 @@
 # fp8: the fp8 KV cache's GPU tests, its accuracy on the real SmolLM2 weights, the kernel grid with
 # an fp8 column and the engine's decode step alone with either cache.
 # With no stage named, all run. On a host without the web stack, wheels in .whl/ are installed
-# first (see the README's GPU section).
+# first.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-results/gpu}
