@@ -108,6 +108,16 @@ def cached_share(series) -> float:
     return sum(c for _, _, c in series) / sum(p for _, p, _ in series)
 
 
+def test_the_router_lists_the_served_model(router, replicas):
+    url = router("cache_aware").url
+    listed = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in listed] == [MODEL]         # the gateway's own list, from /server_info
+    assert complete(url, "Hello there")["model"] == MODEL
+    r = httpx.post(url + "/v1/completions", json={"model": "no-such-model", "prompt": "hi", "max_tokens": 1},
+                   timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
 def test_cache_aware_keeps_a_shared_prefix_on_one_replica_round_robin_does_not(router, replicas):
     aware = prefix_series(router("cache_aware").url, seed=1)
     robin = prefix_series(router("round_robin").url, seed=2)

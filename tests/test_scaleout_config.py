@@ -10,6 +10,7 @@ import json
 import re
 from pathlib import Path
 
+import cel
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -126,19 +127,50 @@ def crd_schema(kind: str, api_version: str) -> dict:
     group, version = api_version.split("/")
     assert crd["spec"]["names"]["kind"] == kind and crd["spec"]["group"] == group
     (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version and v["served"]]
-    return strict(served["schema"]["openAPIV3Schema"])
+    return served["schema"]["openAPIV3Schema"]
+
+
+def check_cel_rules(schema: dict, value, path: str = "") -> None:
+    """The schema's x-kubernetes-validations (CEL) rules, evaluated as the API server does: on each
+    node, after its defaults are filled in (``value`` is changed in place)."""
+    if isinstance(value, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                check_cel_rules(sub, value[name], f"{path}.{name}")
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for name, item in value.items():
+                if name not in schema.get("properties", {}):
+                    check_cel_rules(extra, item, f"{path}.{name}")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            check_cel_rules(schema["items"], item, f"{path}[{i}]")
+    for rule in schema.get("x-kubernetes-validations", []):
+        if "oldSelf" not in rule["rule"] and cel.evaluate(rule["rule"], {"self": value}) is not True:
+            raise jsonschema.ValidationError(f"{path or '.'}: {rule.get('message', rule['rule'])}")
 
 
 def validate_pool(pool: dict) -> None:
     schema = crd_schema(pool["kind"], pool["apiVersion"])
-    jsonschema.validate(pool, schema, cls=jsonschema.Draft7Validator)
-    # The CRD's two CEL rules, which a JSON schema cannot say.
-    ref = pool["spec"]["endpointPickerRef"]
-    if ref.get("kind", "Service") == "Service" and "port" not in ref:
-        raise jsonschema.ValidationError("endpointPickerRef: port is required when kind is 'Service' or unspecified")
-    numbers = [p["number"] for p in pool["spec"]["targetPorts"]]
-    if len(set(numbers)) != len(numbers):
-        raise jsonschema.ValidationError(f"targetPorts: port numbers must be unique, got {numbers}")
+    jsonschema.validate(pool, strict(schema), cls=jsonschema.Draft7Validator)
+    check_cel_rules(schema, copy.deepcopy(pool))
+
+
+def test_the_crd_has_the_cel_rules_checked_here():
+    rules = []
+
+    def collect(node):
+        if isinstance(node, dict):
+            rules.extend(r["rule"] for r in node.get("x-kubernetes-validations", []))
+            for v in node.values():
+                collect(v)
+        elif isinstance(node, list):
+            for v in node:
+                collect(v)
+    collect(crd_schema("InferencePool", "inference.networking.k8s.io/v1"))
+    assert len(rules) >= 2 and not any("oldSelf" in r for r in rules), rules
 
 
 def test_inference_pool_matches_the_published_crd():
