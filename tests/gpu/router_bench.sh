@@ -9,7 +9,7 @@
 # output tok/s, TTFT p50 / p99 and the share of prompt tokens served from the prefix cache, and the
 # targets for the chat: cache_aware's share >= 0.9x the single replica's and >= 1.5x round_robin's.
 #
-#   OUT=results/router bash tests/gpu/router_bench.sh           # about 6 minutes on an H100
+#   OUT=results/router bash tests/gpu/router_bench.sh           # about 6 minutes on an H100 (the kernel built once, first)
 #   MODEL=random:tiny DEVICE=cpu SECONDS_PER_RUN=10 CHATS=4 OUTPUT=8 OWN=32 PREFIX=128 bash tests/gpu/router_bench.sh
 #
 # Needs sglang-router (0.3.x) beside the server: on a host without a package index, carry its wheel
@@ -25,7 +25,8 @@ TURNS=${TURNS:-8}
 OWN=${OWN:-128}
 PREFIX=${PREFIX:-2048}
 OUTPUT=${OUTPUT:-128}
-SECONDS_PER_RUN=${SECONDS_PER_RUN:-30}
+SECONDS_PER_RUN=${SECONDS_PER_RUN:-25}
+REQUESTS=${REQUESTS:-2048}        # at most this many per run; none started after SECONDS_PER_RUN
 WORKERS=${WORKERS:-4}
 SERVER_ARGS=${SERVER_ARGS:-}
 mkdir -p "$OUT"
@@ -64,7 +65,7 @@ load() {
     local extra=(--multi-turn "$TURNS"); [ $kind = shared ] && extra=(--shared-prefix "$PREFIX")
     timeout 300 python3 -m load_tests.loadgen --base-url "$url" --backend openai-chat --concurrency "$CHATS" \
         "${extra[@]}" --input-len "$OWN" --output-len "$OUTPUT" --max-duration "$SECONDS_PER_RUN" \
-        --num-prompts 100000 --seed "$seed" --warmup 0 --workers "$WORKERS" --no-progress --no-plots \
+        --num-prompts "$REQUESTS" --seed "$seed" --warmup 0 --workers "$WORKERS" --no-progress --no-plots \
         --out-dir "$OUT/$name.$kind" > "$OUT/$name.$kind.log" 2>&1 \
       || { echo "loadgen $name.$kind failed:"; tail -5 "$OUT/$name.$kind.log"; }
     stamp "$name.$kind: $(grep -E "c=[0-9]+: " "$OUT/$name.$kind.log" | sed 's/^.*loadgen INFO //')"
