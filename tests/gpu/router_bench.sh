@@ -13,7 +13,7 @@
 #   MODEL=random:tiny DEVICE=cpu SECONDS_PER_RUN=10 CHATS=4 OUTPUT=8 OWN=32 PREFIX=128 bash tests/gpu/router_bench.sh
 #
 # Needs sglang-router (0.3.x) beside the server: on a host without a package index, carry its wheel
-# and its dependencies' in .whl/ (pip download sglang-router==0.3.2 -d .whl).
+# and those of its imports (setproctitle, orjson, aiohttp) in .whl/ or .whl-router/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-results/router}
@@ -32,13 +32,14 @@ SERVER_ARGS=${SERVER_ARGS:-}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
-if [ -d .whl ] && ! python3 -c "import fastapi, sglang_router" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+wheels=$(ls .whl/*.whl .whl-router/*.whl 2>/dev/null)
+if [ -n "$wheels" ] && ! python3 -c "import fastapi, sglang_router.launch_router" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   export PATH=/tmp/site/bin:$PATH
 fi
 source tests/gpu/require_server_stack.sh
-python3 -c "import sglang_router.launch_router" || { echo "sglang-router is missing (see the header)" >&2; exit 1; }
+python3 -c "import sglang_router.launch_router" || { echo "sglang-router or one of its imports is missing (see the header)" >&2; exit 1; }
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 pids=()
