@@ -154,8 +154,8 @@ class Traffic:
     """Clients streaming completions through the router, each with a prompt of its own (so that
     cache_aware spreads them by load), until stopped."""
 
-    def __init__(self, url: str, clients: int = 4, max_tokens: int = 16):
-        self.url, self.max_tokens = url, max_tokens
+    def __init__(self, url: str, clients: int = 4, max_tokens: int = 16, seed: int = 0):
+        self.url, self.max_tokens, self.seed = url, max_tokens, seed
         self.outcomes: list[Outcome] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
@@ -178,7 +178,7 @@ class Traffic:
             time.sleep(0.1)
 
     def _client(self, i: int) -> None:
-        rng = random.Random(i)
+        rng = random.Random(self.seed * 1000 + i)
         with httpx.Client(timeout=httpx.Timeout(120, connect=10)) as client:
             while not self._stop.is_set():
                 self.outcomes.append(self._one(client, f"{rng.random():.12f} {words(rng, 12)}"))
@@ -245,9 +245,12 @@ def test_failover_a_killed_replica_fails_only_its_own_streams_and_is_used_again(
     while not router_workers(rt.url)[victim.url]["is_healthy"]:
         assert time.monotonic() < deadline, "the router did not take the replica back"
         time.sleep(0.2)
-    rng = random.Random(7)
-    for _ in range(6):
-        complete(rt.url, f"{rng.random()} {words(rng, 20)}", max_tokens=2)
+    # cache_aware sends a prompt that matches no replica's history to the least loaded replica
+    # (the first listed, when both are idle): under concurrent load the returned one gets some.
+    back = time.monotonic()
+    with Traffic(rt.url, seed=1) as traffic:
+        traffic.wait_sent_after(back, 8)
+    assert all(o.ok for o in traffic.outcomes), [o for o in traffic.outcomes if not o.ok]
     assert finished(victim.url) >= 1, "the router sent nothing to the replica that came back"
 
 
