@@ -13,7 +13,14 @@ LLAMA_VENV ?= .cache/llama-venv
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 LLAMA_STAMP := $(LLAMA_VENV)/.installed
 
-.PHONY: run test test-gpu bench-cpu clean
+# `make replicas N=2`: N replicas on ports 8001.. behind the SGLang Model Gateway on ROUTER_PORT.
+N ?= 2
+ROUTER_PORT ?= 30000
+POLICY ?= cache_aware
+GPUS ?=
+SERVER_ARGS ?=
+
+.PHONY: run replicas test test-gpu bench-cpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +32,10 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP)
 	$(PY) -m server --host $(HOST) --port $(PORT) --model $(MODEL)
+
+replicas: $(STAMP)
+	$(PY) -m load_tests.replicas --replicas $(N) --port $(ROUTER_PORT) --policy $(POLICY) \
+		$(if $(GPUS),--gpus $(GPUS)) -- --model $(MODEL) $(SERVER_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests

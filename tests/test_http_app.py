@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from server.app import create_app
 from server.engine.config import EngineConfig
+from server.engine.core import ModelInfo
 from server.engine.errors import QueueFullError
 from server.engine.params import FinishEvent, SamplingParams, TokenEvent
 from server.settings import Settings
@@ -62,6 +63,8 @@ class FakeEngine:
         self.config = EngineConfig()
         self.max_model_len = max_model_len
         self.model_name = "fake-model"
+        # as stats() counts: 100 blocks of 16 tokens
+        self.info = ModelInfo(self.model_name, max_model_len, 1600, 16, 100, len(self.tokenizer))
         self.ready = False
         self.error = None
         self.mode = mode
