@@ -13,7 +13,7 @@ LLAMA_VENV ?= .cache/llama-venv
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 LLAMA_STAMP := $(LLAMA_VENV)/.installed
 
-.PHONY: run test test-gpu bench-cpu clean
+.PHONY: run test test-gpu bench-cpu clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,13 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) -m server --host $(HOST) --port $(PORT) --model $(MODEL)
 
-test: $(STAMP)
+# Debian's chromium, which the playground's browser test drives (no browser download); installed once.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
+		echo "could not install chromium: tests/test_playground_browser.py will skip (and fail under CI=true)"
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q -ra tests
 
 $(LLAMA_STAMP):

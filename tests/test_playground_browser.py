@@ -355,6 +355,7 @@ def test_screenshots(live_server, page_on):
     ask(page, "Write a Python function that adds two numbers.")
     page.wait_for_function("() => /peak [1-9]/.test(document.getElementById('m-rate-peak').textContent)",
                            timeout=10_000)
+    page.wait_for_function("() => document.getElementById('m-kv').textContent.startsWith('0.0%')", timeout=10_000)
     assert p.errors == []
     if not folder:
         return
