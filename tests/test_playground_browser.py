@@ -162,6 +162,27 @@ def test_a_question_streams_an_answer_with_its_numbers(live_server, page_on):
     assert p.errors == []
 
 
+def test_every_setting_reaches_the_server(live_server, page_on):
+    page = page_on(live_server).open()
+    for field, value in (("system", "Answer in one word."), ("temperature", "0.5"), ("top_p", "0.9"),
+                         ("top_k", "5"), ("max_tokens", "6"), ("seed", "7"), ("stop_strings", "###\nEND")):
+        set_field(page, field, value)
+    with page.expect_request("**/v1/chat/completions") as request:
+        answer = ask(page, QUESTION)
+    body = request.value.post_data_json
+    assert body["messages"] == [{"role": "system", "content": "Answer in one word."},
+                                {"role": "user", "content": QUESTION}]
+    assert (body["temperature"], body["top_p"], body["top_k"], body["max_tokens"], body["seed"]) == \
+        (0.5, 0.9, 5, 6, 7)
+    assert body["stop"] == ["###", "END"] and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert "error" not in answer["cls"] and re.search(r"finish: (stop|length)", answer["stats"]), answer
+    # settings and conversation survive a reload
+    page.reload()
+    page.wait_for_selector(".msg.assistant")
+    assert page.input_value("#seed") == "7" and page.input_value("#stop_strings") == "###\nEND"
+
+
 def test_the_metrics_panel_shows_the_token_rate_after_a_request(live_server, page_on):
     page = page_on(live_server).open()
     page.wait_for_function("() => document.getElementById('m-running').textContent === '0'", timeout=10_000)
@@ -361,6 +382,7 @@ def test_screenshots(live_server, page_on):
         return
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
+    page.evaluate("document.querySelector('.side').scrollTop = 0")
     page.screenshot(path=out / "playground-desktop.png")
     page.emulate_media(color_scheme="dark")
     page.screenshot(path=out / "playground-desktop-dark.png")

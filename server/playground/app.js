@@ -383,6 +383,12 @@
         askForKey();
         return;
       }
+      if (response.status === 503) {
+        $("model-name").textContent = "loading the model…";
+        setHealth("warn");
+        setTimeout(loadModel, 2000);
+        return;
+      }
       if (!response.ok) throw new Error(await errorMessage(response));
       const models = await response.json();
       state.model = models.data[0].id;
