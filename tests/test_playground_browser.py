@@ -212,9 +212,10 @@ def test_stop_ends_a_long_generation_and_the_kv_pool_empties(live_server, page_o
     stopped = time.monotonic()
     wait_answered(page, 10_000)
     after = wait_idle(live_server)
-    assert time.monotonic() - stopped < 5
+    assert time.monotonic() - stopped < 10   # a decode step is tens of ms; the slack is for a loaded machine
     answer = last_message(page)
     assert "finish: stopped" in answer["stats"] and answer["text"], answer
+    assert re.search(r"\d+\.\d tok/s", answer["stats"]) and re.search(r"\d tokens", answer["stats"]), answer
     assert metric_value(after, "llm_requests_finished_total", 'reason="abort"') == \
         metric_value(before, "llm_requests_finished_total", 'reason="abort"') + 1
     generated = (metric_value(after, "llm_generation_tokens_total")

@@ -102,7 +102,7 @@
     for (const text of parts) {
       const span = document.createElement("span");
       span.textContent = text;
-      el.appendChild(span);
+      el.append(span, " ");   // the space separates them for screen readers and copied text
     }
     return el;
   }
@@ -212,6 +212,7 @@
     const started = performance.now();
     let first = null;
     let last = null;
+    let received = 0;      // chunks with text: one per token (tokens that print nothing send none)
     let pending = false;
     const paint = () => {
       pending = false;
@@ -242,6 +243,7 @@
               reply.stats.ttft_ms = now - started;
             }
             last = now;
+            received += 1;
             reply.content += text;
             if (!pending) {
               pending = true;
@@ -269,6 +271,7 @@
         setStatus(`Error: ${err.message}`);
       }
     } finally {
+      if (reply.stats.completion_tokens == null && received) reply.stats.completion_tokens = received;
       const n = reply.stats.completion_tokens;
       if (first !== null && last > first && n > 1) {
         reply.stats.tokens_per_s = (n - 1) / ((last - first) / 1000);
