@@ -369,6 +369,9 @@ def test_screenshots(live_server, page_on):
     """Desktop (light, dark) and phone (light) captures of a real conversation, written to
     $PLAYGROUND_SCREENSHOTS when it is set."""
     folder = os.environ.get("PLAYGROUND_SCREENSHOTS")
+    model = httpx.get(live_server + "/v1/models", timeout=10).json()["data"][0]["id"]
+    httpx.post(live_server + "/v1/chat/completions", timeout=60, json={   # a warm server, as a user meets it
+        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
     p = page_on(live_server)
     page = p.open()
     set_field(page, "temperature", "0")

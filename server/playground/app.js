@@ -454,7 +454,7 @@
     const used = get("llm_kv_cache_blocks_used") || 0;
     const cached = get("llm_kv_cache_blocks_cached") || 0;
     $("m-kv").textContent = `${pct(used, total)} · ${used} / ${total} blocks`;
-    $("m-kv-detail").textContent = cached ? `+ ${cached} holding cached prefixes` : "";
+    $("m-kv-detail").textContent = cached ? `+${cached} cached` : "";
     $("m-kv-used").style.width = pct(used, total);
     $("m-kv-cached").style.width = pct(cached, total);
     const queries = get("llm_prefix_cache_queries_tokens_total") || 0;
