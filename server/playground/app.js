@@ -122,6 +122,7 @@
 
   function updateButtons() {
     const busy = state.controller !== null;
+    $("messages").setAttribute("aria-busy", String(busy));   // read the answer once, not every token
     $("send").disabled = busy;
     $("stop").disabled = !busy;
     $("regenerate").disabled = busy || !state.messages.some((m) => m.role === "user");
