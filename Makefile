@@ -20,7 +20,7 @@ POLICY ?= cache_aware
 GPUS ?=
 SERVER_ARGS ?=
 
-.PHONY: run replicas test test-gpu bench-cpu clean
+.PHONY: run replicas test test-gpu bench-cpu clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,7 +37,13 @@ replicas: $(STAMP)
 	$(PY) -m load_tests.replicas --replicas $(N) --port $(ROUTER_PORT) --policy $(POLICY) \
 		$(if $(GPUS),--gpus $(GPUS)) -- --model $(MODEL) $(SERVER_ARGS)
 
-test: $(STAMP)
+# Debian's chromium, which the playground's browser test drives (no browser download); installed once.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
+		echo "could not install chromium: tests/test_playground_browser.py will skip (and fail under CI=true)"
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q -ra tests
 
 $(LLAMA_STAMP):

@@ -65,6 +65,9 @@ class EngineStatsCollector:
              getattr(stats, "prefix_cache_queries", 0)),
             ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.",
              getattr(stats, "prefix_cache_hits", 0)),
+            ("sampled_tokens", "Generated tokens, counted as each engine step's tokens arrive "
+                               "(generation_tokens counts a request's when it finishes).",
+             getattr(stats, "sampled_tokens", 0)),
         ):
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
 

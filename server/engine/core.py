@@ -76,6 +76,7 @@ class EngineStats:
     kv_blocks_cached: int = 0            # blocks holding a cached prefix that no request holds
     prefix_cache_queries: int = 0        # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0           # of those, found there
+    sampled_tokens: int = 0              # tokens given to requests, counted as each step's arrive (cumulative)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class EngineCore:
                                    config.prefill_delay_steps, config.chained_prefill_tokens)
         self.steps = 0
         self.step_stats = StepStats()
+        self.sampled_tokens = 0
         self.info = ModelInfo(loaded.name, self.max_model_len, self.runner.kv_tokens, config.block_size,
                               self.blocks.num_blocks, loaded.model.get_input_embeddings().num_embeddings)
         if loaded.device.type == "cuda":
@@ -144,13 +146,14 @@ class EngineCore:
         for seq in list(itertools.chain(self.scheduler.running, self.scheduler.waiting)):
             self._finish(seq, "abort")             # only if the pool could not hold them
         self.runner.pipeline.drop()
-        self.steps = 0
+        self.steps = self.sampled_tokens = 0
         self.blocks.query_tokens = self.blocks.hit_tokens = 0
 
     def stats(self) -> EngineStats:
         b = self.blocks
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), b.num_blocks, b.num_used,
-                           self.scheduler.preemptions, b.num_cached_idle, b.query_tokens, b.hit_tokens)
+                           self.scheduler.preemptions, b.num_cached_idle, b.query_tokens, b.hit_tokens,
+                           self.sampled_tokens)
 
     def run(self, inbox) -> None:
         """Steps until a ``("stop", None)`` message. Inbox messages:
@@ -277,6 +280,7 @@ class EngineCore:
         events = []
         for i, seq in enumerate(seqs):
             if not seq.is_finished:
+                self.sampled_tokens += 1
                 logprob = token_logprobs[i] if token_logprobs is not None and seq.params.logprobs else None
                 events.extend(self._append_token(seq, token_ids[i], logprob, now))
         return events
