@@ -107,8 +107,10 @@ class EngineFrontend:
                              f"(0..{self.info.vocab_size - 1})")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> RequestStream:
-        """Call from the event loop. Raises ValueError, QueueFullError or EngineDeadError."""
+                    request_id: str | None = None, follows: str | None = None) -> RequestStream:
+        """Call from the event loop. Raises ValueError, QueueFullError or EngineDeadError.
+        ``follows``: the engine id (``RequestStream.request_id``) of another choice of the same
+        prompt added just before: the core computes the prompt once for both (``EngineCore.add``)."""
         if self.error is not None:
             raise EngineDeadError(self.error)
         if not self.ready:
@@ -135,7 +137,7 @@ class EngineFrontend:
             self._started(stream)                  # a failure fanned out to it later leaves the counts alone
             raise EngineDeadError(self.error)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        self._send(("add", (request_id, list(prompt_ids), params, seed)))
+        self._send(("add", (request_id, list(prompt_ids), params, seed, follows)))
         return stream
 
     def abort(self, request_id: str) -> None:
