@@ -280,13 +280,15 @@ class Generation:
 
 
 def submit(services: Services, engine, request: Request, prompt: Prompt, params: SamplingParams,
-           *, endpoint: str, streaming: bool) -> Generation:
-    """Hands the request to the engine (on the event-loop thread, as the engine requires)."""
+           *, endpoint: str, streaming: bool, follows: str | None = None) -> Generation:
+    """Hands the request to the engine (on the event-loop thread, as the engine requires);
+    ``follows``: see ``EngineFrontend.add_request``."""
     metrics = services.metrics
     if services.draining:
         raise shutting_down()
     try:
-        stream = engine.add_request(prompt.ids, params, request_id=uuid.uuid4().hex)
+        extra = {"follows": follows} if follows is not None else {}
+        stream = engine.add_request(prompt.ids, params, request_id=uuid.uuid4().hex, **extra)
     except QueueFullError:
         metrics.rejected.labels(reason="queue_full").inc()
         raise

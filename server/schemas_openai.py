@@ -21,6 +21,19 @@ MAX_LOGIT_BIAS = 100.0
 MAX_PROMPTS = 256            # prompts in one /v1/completions request
 
 
+def within(name: str, value: int | None, low: int, high: int) -> int | None:
+    """``value`` if None or in low..high; else a ValueError naming the field, the value and the range."""
+    if value is not None and not low <= value <= high:
+        raise ValueError(f"{name} {value} is outside {low}..{high}")
+    return value
+
+
+def logprob_count(name: str):
+    def check(cls, v):
+        return within(name, v, 0, MAX_LOGPROBS)
+    return field_validator(name)(classmethod(check))
+
+
 class StreamOptions(Lenient):
     include_usage: bool = Field(False, description="Send a last chunk with token usage before [DONE].")
     continuous_usage_stats: bool = Field(
@@ -31,7 +44,7 @@ class SamplingFields(Lenient):
     model: Text = Field(description="The id listed by GET /v1/models.")
     temperature: FiniteFloat | None = Field(None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
     top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, ge=1, le=MAX_N, description="Choices to generate (default 1); the prompt is "
+    n: int | None = Field(None, description="Choices to generate (default 1); the prompt is "
                                                           "computed once and its cache shared by all of them.")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -60,6 +73,11 @@ class SamplingFields(Lenient):
         None, max_length=1024, description="Prefix-cache blocks are shared only among requests with the same "
                                            "salt (and among those without one): a long random secret per "
                                            "tenant keeps others from timing its prompts.")
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        return within("n", v, 1, MAX_N)
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v):
@@ -105,11 +123,11 @@ class CompletionRequest(SamplingFields):
                                                            "(with echo: the prompt and its log-probabilities).")
     echo: bool = Field(False, description="Prepend the prompt to the returned text (and, with logprobs, its "
                                           "tokens' log-probabilities, the first null).")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+    logprobs: int | None = Field(None, description=(
         "The log-probability of each token and of this many likeliest tokens at each position, from the "
         "model's distribution (before temperature, penalties and bias). Capped by the server's "
         "--max-logprobs."))
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+    prompt_logprobs: int | None = Field(None, description=(
         "vLLM's extension: the prompt tokens' log-probabilities, with this many likeliest at each position."))
     best_of: int | None = Field(None, description="Only 1: vLLM V1 dropped best_of; ask for n choices and "
                                                   "pick by their logprobs instead.")
@@ -130,6 +148,9 @@ class CompletionRequest(SamplingFields):
     def prompt_list(self) -> list[str | list[int]]:
         v = self.prompt
         return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
+
+    _logprobs = logprob_count("logprobs")
+    _prompt_logprobs = logprob_count("prompt_logprobs")
 
     @field_validator("best_of")
     @classmethod
@@ -154,15 +175,18 @@ class ChatCompletionRequest(SamplingFields):
                                                            "max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+    top_logprobs: int | None = Field(None, description=(
         "With logprobs: also the this many likeliest tokens at each position, from the model's distribution "
         "(before temperature, penalties and bias). Capped by the server's --max-logprobs."))
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+    prompt_logprobs: int | None = Field(None, description=(
         "vLLM's extension: the prompt tokens' log-probabilities, with this many likeliest at each position."))
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = Field(None, description="Not supported; null or [] only.")
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored.")
+
+    _top_logprobs = logprob_count("top_logprobs")
+    _prompt_logprobs = logprob_count("prompt_logprobs")
 
     @field_validator("tools")
     @classmethod

@@ -80,7 +80,7 @@ class FakeEngine:
     def stats(self):
         return Stats(len(self.active), 0, 100, 4 * len(self.active))
 
-    def add_request(self, prompt_ids, params, request_id=None):
+    def add_request(self, prompt_ids, params, request_id=None, follows=None):
         if self.mode == "full":
             raise QueueFullError("3 requests are waiting (limit 3)", retry_after=2.0)
         if self.mode == "crash":

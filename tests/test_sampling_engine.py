@@ -114,8 +114,10 @@ def test_prompt_logprobs_match_a_teacher_forced_forward(engine, reference, lengt
     got = events[0].prompt_logprobs
     assert len(got) == length - 1
     ref = reference_logprobs(reference, prompt)
-    for i, (value, best) in enumerate(got):
+    for i, (value, rank, best) in enumerate(got):
         assert abs(value - ref[i, prompt[i + 1]].item()) < LOGPROB_TOLERANCE
+        assert rank == 1 + (ref[i] > ref[i, prompt[i + 1]] + LOGPROB_TOLERANCE).sum().item() or \
+            abs(rank - 1 - (ref[i] > ref[i, prompt[i + 1]]).sum().item()) <= 2
         assert [t for t, _ in best] == ref[i].topk(4).indices.tolist()
     assert abs(events[0].logprob - ref[-1, events[0].token_id].item()) < LOGPROB_TOLERANCE
     assert events[0].cached_tokens == 0          # scored prompts are computed, not read from the cache

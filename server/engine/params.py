@@ -59,8 +59,8 @@ class TokenEvent:
     cached_tokens: int | None = None    # on a request's first token: its prompt tokens found in the prefix cache
     top_logprobs: list[tuple[int, float]] | None = None    # the likeliest tokens (id, log-probability), best first
     # on a request's first token, if asked: per prompt position after the first, (log-probability of the
-    # prompt's token there, [(id, log-probability) of the likeliest tokens])
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # prompt's token there, its rank, [(id, log-probability) of the likeliest tokens])
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)

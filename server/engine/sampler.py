@@ -148,20 +148,23 @@ def top_logprobs(raw: torch.Tensor, ids: torch.Tensor, asked: list[int], rows: l
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], first: int,
-                    k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+                    k: int) -> list[tuple[float, int, list[tuple[int, float]]]]:
     """Per prompt position after ``first`` that ``logits`` (of the prompt's tokens from position
     ``first`` on, row j predicting position first + j + 1) predict: the raw log-probability of the
-    prompt's token there and the ``k`` likeliest tokens. Read back at once (a prefill step)."""
+    prompt's token there, its rank (1: the likeliest) and the ``k`` likeliest tokens. Read back at
+    once (a prefill step)."""
     targets = prompt_ids[first + 1:first + 1 + logits.shape[0]]
     if not targets:
         return []
     raw = clean_logits(logits[:len(targets)]).log_softmax(dim=-1)
     index = torch.tensor(targets, dtype=torch.int64, device=raw.device)
-    values = raw.gather(1, index.unsqueeze(1)).squeeze(1).tolist()
+    chosen = raw.gather(1, index.unsqueeze(1))
+    ranks = ((raw > chosen).sum(dim=-1) + 1).tolist()
+    values = chosen.squeeze(1).tolist()
     if k <= 0:
-        return [(v, []) for v in values]
+        return [(v, r, []) for v, r in zip(values, ranks)]
     best, best_ids = raw.topk(min(k, raw.shape[-1]), dim=-1)
-    return [(v, list(zip(i, b))) for v, i, b in zip(values, best_ids.tolist(), best.tolist())]
+    return [(v, r, list(zip(i, b))) for v, r, i, b in zip(values, ranks, best_ids.tolist(), best.tolist())]
 
 
 def _filter_top_k_top_p(scaled, top_k, top_p):
