@@ -132,8 +132,9 @@ def apply_presence_frequency(logits: torch.Tensor, batch_rows: torch.Tensor, sta
 def count_generated(ids: torch.Tensor, batch_rows: torch.Tensor, state_rows: torch.Tensor,
                     state: PenaltyState) -> None:
     """Adds the drawn tokens to their requests' counts, on the device."""
+    flat = state_rows * state.vocab + ids[batch_rows]
     one = torch.ones(1, dtype=state.counts.dtype, device=ids.device).expand(batch_rows.shape[0])
-    state.counts.index_put_((state_rows, ids[batch_rows]), one, accumulate=True)
+    state.counts.view(-1).index_add_(0, flat, one)
 
 
 def top_logprobs(raw: torch.Tensor, ids: torch.Tensor, asked: list[int], rows: list[int]) -> StepLogprobs:
