@@ -47,6 +47,11 @@ async def _encode(engine, text: str, add_special_tokens: bool, shared: bool) -> 
     return await run_in_threadpool(encoder.run, work)
 
 
+async def encode_ids(engine, text: str, add_special_tokens: bool) -> list[int]:
+    """The ids of ``text`` (the tokenize route's), encoded as prompts are."""
+    return (await _encode(engine, text, add_special_tokens, True))[0]
+
+
 async def encode_text(engine, text: str, shared: bool = True) -> Prompt:
     """``shared``: see ``PromptEncoder.prepare`` (False for a request with a cache_salt)."""
     started, started_epoch = time.perf_counter(), time.time()

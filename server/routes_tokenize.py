@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from .generation import check_token_ids, encode_chat
+from .generation import check_token_ids, encode_chat, encode_ids
 from .http_errors import ApiError
 from .schemas import ErrorResponse, NonEmptyText, Strict, Text, chat_template_messages
 from .schemas_openai import OpenAIChatMessage
@@ -86,13 +86,11 @@ async def tokenize(body: TokenizeRequest, engine=Depends(ready_engine), services
         if not body.add_generation_prompt or body.add_special_tokens:
             text = await run_in_threadpool(tokenizer.apply_chat_template, messages, tokenize=False,
                                            add_generation_prompt=body.add_generation_prompt)
-            ids = await run_in_threadpool(lambda: tokenizer(text, add_special_tokens=bool(body.add_special_tokens))
-                                          ["input_ids"])
+            ids = await encode_ids(engine, text, bool(body.add_special_tokens))
         else:
             ids = (await encode_chat(engine, messages)).ids
     else:
-        add = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = await run_in_threadpool(lambda: tokenizer(body.prompt, add_special_tokens=add)["input_ids"])
+        ids = await encode_ids(engine, body.prompt, True if body.add_special_tokens is None else body.add_special_tokens)
     answer = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids), "token_strs": None}
     if body.return_token_strs:
         answer["token_strs"] = tokenizer.convert_ids_to_tokens(list(ids))

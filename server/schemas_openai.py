@@ -220,8 +220,11 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float | None]]
+    top_logprobs: list[dict[str, float | None] | None]
     text_offset: list[int]
+
+
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -229,6 +232,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=(
+        "With prompt_logprobs (vLLM): None, then per prompt position token id -> logprob, rank, decoded_token."))
 
 
 class CompletionResponse(BaseModel):
@@ -276,6 +281,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="With prompt_logprobs, as in completions.")
 
 
 class ModelCard(BaseModel):

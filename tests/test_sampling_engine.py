@@ -196,3 +196,14 @@ def test_frequency_penalty_changes_greedy_text_as_the_formula_says(engine, refer
         counts = torch.bincount(torch.tensor(tokens[:j], dtype=torch.int64), minlength=ref.shape[1]).double()
         adjusted = ref[len(prompt) - 1 + j] - 1.5 * counts - 0.5 * (counts > 0).double()
         assert adjusted.argmax().item() == token
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(logprobs=True, top_logprobs=21), "top_logprobs 21 is outside 0..20"),
+    (SamplingParams(prompt_logprobs=-1), "prompt_logprobs -1 is outside 0..20"),
+    (SamplingParams(logit_bias=((49152, 1.0),)), "logit_bias token id 49152 is outside the vocabulary"),
+])
+def test_the_engine_refuses_what_it_cannot_report(engine, params, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request([5, 6, 7], params)
+    pool_is_whole(engine)

@@ -33,15 +33,17 @@ class Sampled(NamedTuple):
     waited_s: float                               # host time spent waiting for the copy
 
 
-def _to_host(tensor: torch.Tensor | None, pinned: bool) -> torch.Tensor | None:
-    """A copy of a device tensor on its way to the host (pinned: without waiting for it)."""
+MAX_TOP_LOGPROBS = 20                             # top log-probabilities per row a step reads back at most
+
+
+def _into(host: torch.Tensor, tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """``tensor`` copied into the front of the flat pinned buffer ``host`` (without waiting for it
+    on CUDA), viewed in ``tensor``'s shape."""
     if tensor is None:
         return None
-    if not pinned:
-        return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
+    view = host[:tensor.numel()].view(tensor.shape)
+    view.copy_(tensor, non_blocking=True)
+    return view
 
 
 class _Readback:
@@ -51,16 +53,17 @@ class _Readback:
         self.seqs, self._ids, self._logprobs, self._count, self._done = seqs, ids_host, logprobs, count, done
 
     @classmethod
-    def launch(cls, seqs, ids: torch.Tensor, logprobs, ids_host: torch.Tensor,
+    def launch(cls, seqs, ids: torch.Tensor, logprobs, ids_host: torch.Tensor, logprobs_host: tuple,
                done: torch.cuda.Event | None) -> "_Readback":
-        """``ids``: int32 on the device; ``logprobs``: a ``sampler.StepLogprobs`` or None."""
+        """``ids``: int32 on the device; ``logprobs``: a ``sampler.StepLogprobs`` or None, read
+        into ``logprobs_host`` (three flat pinned buffers)."""
         count = ids.shape[0]
         ids_host[:count].copy_(ids, non_blocking=True)
         host_logprobs = None
         if logprobs is not None:
-            pinned = done is not None
-            host_logprobs = (logprobs.rows, _to_host(logprobs.sampled, pinned), _to_host(logprobs.top_ids, pinned),
-                             _to_host(logprobs.top_logprobs, pinned))
+            sampled, top_ids, top_values = logprobs_host
+            host_logprobs = (logprobs.rows, _into(sampled, logprobs.sampled), _into(top_ids, logprobs.top_ids),
+                             _into(top_values, logprobs.top_logprobs))
         if done is not None:
             done.record()
         return cls(seqs, ids_host, host_logprobs, count, done)
@@ -111,6 +114,9 @@ class StepPipeline:
         self.slots.fill_(-1)
         self.seq_lens.fill_(1)
         self._readback = [(torch.zeros(n, dtype=torch.int32, pin_memory=pin),
+                           (torch.zeros(n, dtype=torch.float32, pin_memory=pin),
+                            torch.zeros(n * MAX_TOP_LOGPROBS, dtype=torch.int32, pin_memory=pin),
+                            torch.zeros(n * MAX_TOP_LOGPROBS, dtype=torch.float32, pin_memory=pin)),
                            torch.cuda.Event() if pin else None) for _ in range(3)]
         self._steps = 0
         self._inflight: _Readback | None = None
