@@ -132,6 +132,7 @@ def test_n_greedy_choices_are_identical_to_each_other_and_to_one_choice(engine):
     assert all([e.token_id for e in c] == first for c, _ in choices)
     assert choices[0][0][0].cached_tokens == 0
     assert all(c[0].cached_tokens == 32 for c, _ in choices[1:])    # the prompt's two full blocks, shared
+    assert len({c[0].time for c, _ in choices}) == 1          # every first token drawn from one prefill
     [(again, _)] = run_choices(engine, prompt, params, 1)
     assert [e.token_id for e in again] == first
     assert [e.logprob for e in again] == pytest.approx([e.logprob for e in choices[2][0]], abs=1e-5)

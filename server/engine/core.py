@@ -201,8 +201,9 @@ class EngineCore:
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
             follows: str | None = None) -> None:
         """``follows``: the id of another choice of the same prompt, sent just before; this one
-        waits until that one's prompt is in the cache and then shares its blocks (the prompt is
-        computed once for all choices, but for the tokens past its last full block)."""
+        draws its first token from that one's prefill logits, then shares its full blocks (the
+        prompt is computed once for all choices, but for the tokens past its last full block,
+        which each computes with its first token in one more prefill)."""
         seq = Sequence(request_id, prompt_ids, params, seed)
         if params.penalised:
             try:
@@ -272,14 +273,24 @@ class EngineCore:
         for seq, _ in work.chunks:
             self._mark_scheduled(seq)
         ready = [i for i, (seq, take) in enumerate(work.chunks) if take == seq.prefill_remaining]
-        sampled = self.runner.prefill_step(work.chunks, ready,
-                                           self._sampling_rows([work.chunks[i][0] for i in ready]))
+        # the other choices of a prompt draw their first token from its logits too, then wait
+        # for a prefill of their tail (past the shared full blocks) and that token
+        rows, takers = list(ready), [work.chunks[i][0] for i in ready]
+        for i in ready:
+            followers = work.chunks[i][0].followers
+            rows += [i] * len(followers)
+            takers += followers
+        sampled = self.runner.prefill_step(work.chunks, rows, self._sampling_rows(takers), takers)
         for seq, take in work.chunks:
             seq.num_cached += take
             self.blocks.commit(seq)
+        bs = self.blocks.block_size
         for i in ready:
-            self.scheduler.prefill_done(work.chunks[i][0])
-            self._release_followers(work.chunks[i][0])
+            leader = work.chunks[i][0]
+            self.scheduler.prefill_done(leader)
+            for follower in leader.followers:      # the leader's full blocks, which it holds
+                follower.cached_tokens = len(leader.prompt_ids) // bs * bs if self.blocks.prefix_caching else 0
+            self._release_followers(leader)
         return self._emit(sampled)
 
     def _sampling_rows(self, seqs) -> SamplingRows:

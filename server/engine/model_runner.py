@@ -232,10 +232,12 @@ class ModelRunner:
         return self.pipeline.launch(seqs, ids, logprobs)
 
     @torch.inference_mode()
-    def prefill_step(self, chunks, ready: list[int], rows: SamplingRows) -> Sampled | None:
+    def prefill_step(self, chunks, ready: list[int], rows: SamplingRows, takers=None) -> Sampled | None:
         """Runs prompt chunks; samples the first token of the chunks at indices ``ready`` (those
-        that complete their prompt) and reads it back at once. Sequences that ask for their
-        prompt's log-probabilities get this chunk's added to ``seq.prompt_logprobs``."""
+        that complete their prompt) and reads it back at once. ``takers``: the sequence each
+        entry of ``ready`` samples for (default: the chunk's own; an index may repeat, for other
+        choices of the same prompt). Sequences that ask for their prompt's log-probabilities get
+        this chunk's added to ``seq.prompt_logprobs``."""
         wanting = [i for i, (seq, _) in enumerate(chunks) if seq.prompt_logprobs is not None]
         if wanting:
             logits, every_row = self._prefill_packed(chunks, every_row_of=wanting)
@@ -247,10 +249,10 @@ class ModelRunner:
             logits = self.prefill(chunks)
         if not ready:
             return None
-        if len(ready) < len(chunks):
+        if ready != list(range(len(chunks))):
             logits = logits[torch.tensor(ready, device=logits.device)]
         ids, logprobs = sample(logits, rows, self.penalties)
-        return self.pipeline.read_now([chunks[i][0] for i in ready], ids, logprobs)
+        return self.pipeline.read_now(takers or [chunks[i][0] for i in ready], ids, logprobs)
 
     @torch.inference_mode()
     def decode(self, seqs, sources=None) -> torch.Tensor:
