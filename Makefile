@@ -13,7 +13,7 @@ LLAMA_VENV ?= .cache/llama-venv
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 LLAMA_STAMP := $(LLAMA_VENV)/.installed
 
-.PHONY: run test test-gpu bench-cpu clean
+.PHONY: run test test-gpu bench-cpu docker-test clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
+
+# Builds the CPU image and checks its container (root, Debian: installs docker.io and debootstrap,
+# runs its own Docker daemon and stops it); DOCKER_TEST_ARGS=--gpu builds the GPU image too.
+docker-test: $(STAMP)
+	PYTHON=$(PY) docker/ci.sh $(DOCKER_TEST_ARGS)
 
 $(LLAMA_STAMP):
 	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
