@@ -50,13 +50,14 @@ def healthy(container: str) -> str:
     start_period = config.get("StartPeriod", 0) / NS
     if start_period <= 0:
         raise CheckFailed(f"{container}'s health check has no start period")
+    name = inspect(container)["Name"].lstrip("/")
     started = time.monotonic()
     while True:
         state = inspect(container)["State"]
         status = (state.get("Health") or {}).get("Status")
         waited = time.monotonic() - started
         if status == "healthy":
-            return f"{container}: healthy after {waited:.0f} s (start period {start_period:.0f} s)"
+            return f"{name}: healthy after {waited:.0f} s (start period {start_period:.0f} s)"
         if not state["Running"]:
             raise CheckFailed(f"{container} exited with status {state['ExitCode']} before it was healthy")
         if status == "unhealthy":
