@@ -8,7 +8,7 @@
 #   - `docker compose --profile cpu up` runs the image with the Compose file's health check,
 #     volume and stop grace period.
 # With --gpu it also builds the GPU image (no GPU needed) and checks that the kernel compiled at
-# build time and that the image imports `kernels` and resolves its ops.
+# build time and that the image imports `kernels` and resolves its ops; --gpu-only does only that.
 #
 # Needs root on Debian (apt, dockerd). Installs docker.io and debootstrap if missing, starts a Docker
 # daemon of its own (own socket and state under a temporary folder, no default bridge, no iptables
@@ -26,12 +26,13 @@ shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 exec 3>&1 4>&2          # the summary's way out, wherever the failure happened
 
-GPU=0
+CPU=1 GPU=0
 for arg in "$@"; do
     case $arg in
         --gpu) GPU=1 ;;
+        --gpu-only) GPU=1 CPU=0 ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-        *) echo "usage: $0 [--gpu]" >&2; exit 2 ;;
+        *) echo "usage: $0 [--gpu | --gpu-only]" >&2; exit 2 ;;
     esac
 done
 
@@ -53,7 +54,7 @@ LOGS=$RUN/logs
 mkdir -p "$LOGS" "$CACHE"
 export DOCKER_HOST=unix://$RUN/docker.sock
 DATA_ROOT=${FLASHDECODE_CI_DATA_ROOT:-$RUN/docker}
-DOCKERD_PID= INDEX_PID= COMPOSE= CONTAINERS=()
+DOCKERD_PID= INDEX_PID= CHILD= COMPOSE= CONTAINERS=()
 STEPS=() STEP_NAME= STEP_START=
 
 docker() { "$DOCKER" "$@"; }
@@ -85,6 +86,7 @@ cleanup() {
     exec 1>&3 2>&4
     step ""
     set +e
+    [ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null && wait "$CHILD" 2>/dev/null
     if [ "$status" != 0 ]; then
         echo "FAILED during: ${STEPS[-1]:-start}" >&2
         log_tails
@@ -124,14 +126,19 @@ trap 'exit 143' TERM
 
 fail() { echo "FAILED: $*" >&2; exit 1; }
 
-# A command whose output goes to a log; on failure the log's tail is shown.
+# A command whose output goes to a log; on failure the log's tail is shown. It runs in the
+# background so that a signal reaches the trap at once (which then ends it).
 logged() {
     local log=$LOGS/$1; shift
-    if ! "$@" >"$log" 2>&1; then
+    "$@" >"$log" 2>&1 &
+    CHILD=$!
+    if ! wait "$CHILD"; then
+        CHILD=
         echo "--- last 40 lines of $log:" >&2
         tail -n 40 "$log" >&2
         return 1
     fi
+    CHILD=
 }
 
 # ----------------------------------------------------------------------------- machine
@@ -192,12 +199,14 @@ debian_rootfs() {
 import_base() {     # import_base IMAGE TARBALL [DOCKERFILE_LINES [CONTEXT_FILE...]]
     local image=$1 tarball=$2 lines=${3:-} context=$RUN/base-context
     shift $(($# < 3 ? $# : 3))
-    docker import "$tarball" "$image-rootfs" >/dev/null
+    # Tagged by the tarball's age: a second import would be a new image, and no build layer cached.
+    local rootfs=$image-rootfs-$(stat -c %Y "$tarball")
+    docker image inspect "$rootfs" >/dev/null 2>&1 || docker import "$tarball" "$rootfs" >/dev/null
     rm -rf "$context" && mkdir -p "$context"
     cp /etc/ssl/certs/ca-certificates.crt "$context/"
     [ $# = 0 ] || ln "$@" "$context/" 2>/dev/null || cp "$@" "$context/"
     cat >"$context/Dockerfile" <<EOF
-FROM $image-rootfs
+FROM $rootfs
 COPY ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 ENV LANG=C.UTF-8 PIP_CERT=/etc/ssl/certs/ca-certificates.crt SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
 $lines
@@ -330,55 +339,60 @@ COMPOSE_BINARY=$("$PYTHON" -c 'import compose, pathlib; print(pathlib.Path(compo
 step "start dockerd"
 start_daemon
 
-step "CPU base image"
-cpu_base
+cpu_image() {
+    step "CPU base image"
+    cpu_base
 
-step "build the CPU image"
-build "$CPU_IMAGE" docker/Dockerfile.cpu build-cpu.log "${CPU_BUILD_ARGS[@]}"
+    step "build the CPU image"
+    build "$CPU_IMAGE" docker/Dockerfile.cpu build-cpu.log "${CPU_BUILD_ARGS[@]}"
 
-step "run: healthy, chat, drain on docker stop"
-docker network create "$NETWORK" >/dev/null
-# A volume the image does not seed (not empty), so that the first container converts the model.
-docker volume create "$VOLUME" >/dev/null
-docker run --rm --user 0 -v "$VOLUME:/var/cache/flashdecode/models" --entrypoint sh "$CPU_IMAGE" \
-    -c 'rm -rf /var/cache/flashdecode/models/* && touch /var/cache/flashdecode/models/.kept'
-run_server flashdecode-ci-first "$CPU_PORT"
-checks healthy flashdecode-ci-first
-checks chat "http://127.0.0.1:$CPU_PORT"
-checks drain "http://127.0.0.1:$CPU_PORT" flashdecode-ci-first --stop-timeout 45
-[ "$(conversions flashdecode-ci-first)" = 1 ] || fail "the first container did not convert the model into the empty volume"
+    step "run: healthy, chat, drain on docker stop"
+    docker network create "$NETWORK" >/dev/null
+    # A volume the image does not seed (not empty), so that the first container converts the model.
+    docker volume create "$VOLUME" >/dev/null
+    docker run --rm --user 0 -v "$VOLUME:/var/cache/flashdecode/models" --entrypoint sh "$CPU_IMAGE" \
+        -c 'rm -rf /var/cache/flashdecode/models/* && touch /var/cache/flashdecode/models/.kept'
+    run_server flashdecode-ci-first "$CPU_PORT"
+    checks healthy flashdecode-ci-first
+    checks chat "http://127.0.0.1:$CPU_PORT"
+    checks drain "http://127.0.0.1:$CPU_PORT" flashdecode-ci-first --stop-timeout 45
+    [ "$(conversions flashdecode-ci-first)" = 1 ] || fail "the first container did not convert the model into the empty volume"
 
-step "run: a second container reuses the volume"
-run_server flashdecode-ci-second "$REUSE_PORT"
-checks healthy flashdecode-ci-second
-checks chat "http://127.0.0.1:$REUSE_PORT"
-[ "$(conversions flashdecode-ci-second)" = 0 ] || fail "the second container converted the model again"
-echo "no second conversion: the model converted by the first container was loaded from $VOLUME"
-docker stop -t 45 flashdecode-ci-second >/dev/null
+    step "run: a second container reuses the volume"
+    run_server flashdecode-ci-second "$REUSE_PORT"
+    checks healthy flashdecode-ci-second
+    checks chat "http://127.0.0.1:$REUSE_PORT"
+    [ "$(conversions flashdecode-ci-second)" = 0 ] || fail "the second container converted the model again"
+    echo "no second conversion: the model converted by the first container was loaded from $VOLUME"
+    docker stop -t 45 flashdecode-ci-second >/dev/null
 
-step "compose --profile cpu up"
-COMPOSE=$COMPOSE_BINARY
-compose --profile cpu config --format json >"$RUN/compose.json"
-logged compose-up.log compose --profile cpu up -d --no-build --pull never server-cpu
-COMPOSE_CONTAINER=$(compose --profile cpu ps -q server-cpu)
-CONTAINERS+=("$COMPOSE_CONTAINER")
-checks compose "$COMPOSE_CONTAINER" "$RUN/compose.json" server-cpu
-checks healthy "$COMPOSE_CONTAINER"
-checks chat "http://127.0.0.1:$COMPOSE_PORT"
-[ "$(conversions "$COMPOSE_CONTAINER")" = 0 ] || fail "the model was converted although the image seeded the fresh volume"
-echo "a fresh volume, seeded from the image: no conversion"
-logged compose-stop.log compose --profile cpu stop server-cpu
-[ "$(docker inspect -f '{{.State.ExitCode}}' "$COMPOSE_CONTAINER")" = 0 ] || fail "compose stop: exit status not 0"
-echo "compose stop: exit status 0"
-logged compose-down.log compose --profile cpu down --volumes
-COMPOSE= CONTAINERS=("${CONTAINERS[@]:0:2}")
+    step "compose --profile cpu up"
+    COMPOSE=$COMPOSE_BINARY
+    compose --profile cpu config --format json >"$RUN/compose.json"
+    logged compose-up.log compose --profile cpu up -d --no-build --pull never server-cpu
+    COMPOSE_CONTAINER=$(compose --profile cpu ps -q server-cpu)
+    CONTAINERS+=("$COMPOSE_CONTAINER")
+    checks compose "$COMPOSE_CONTAINER" "$RUN/compose.json" server-cpu
+    checks healthy "$COMPOSE_CONTAINER"
+    checks chat "http://127.0.0.1:$COMPOSE_PORT"
+    [ "$(conversions "$COMPOSE_CONTAINER")" = 0 ] || fail "the model was converted although the image seeded the fresh volume"
+    echo "a fresh volume, seeded from the image: no conversion"
+    logged compose-stop.log compose --profile cpu stop server-cpu
+    [ "$(docker inspect -f '{{.State.ExitCode}}' "$COMPOSE_CONTAINER")" = 0 ] || fail "compose stop: exit status not 0"
+    echo "compose stop: exit status 0"
+    logged compose-down.log compose --profile cpu down --volumes
+    COMPOSE= CONTAINERS=("${CONTAINERS[@]:0:2}")
+}
 
-if [ "$GPU" = 1 ]; then
+gpu_image() {
     step "GPU base image"
     gpu_base
     step "build the GPU image"
     build "$GPU_IMAGE" docker/Dockerfile build-gpu.log "${GPU_BUILD_ARGS[@]}"
     step "GPU image: kernel built, ops resolve"
     check_gpu_image
-fi
+}
+
+if [ "$CPU" = 1 ]; then cpu_image; fi
+if [ "$GPU" = 1 ]; then gpu_image; fi
 step ""
