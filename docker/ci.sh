@@ -241,6 +241,8 @@ add_to_index() {    # add_to_index CACHE_NAME REQUIREMENT
     fail "the local wheel index did not start on 127.0.0.1:$INDEX_PORT"
 }
 INDEX_URL=http://127.0.0.1:$INDEX_PORT/simple
+# One root file system for both stand-ins (the GPU image installs its own Python packages on it).
+BASE_PACKAGES=python3,python3-venv,python-is-python3,ca-certificates
 
 # The official python image, else a Debian stand-in with the host's Python, whose CPU torch wheel
 # this machine has: build arguments for Dockerfile.cpu.
@@ -251,7 +253,7 @@ cpu_base() {
     if can_pull "$official"; then echo "pulled $official"; return; fi
     suite=$(release)
     echo "$official cannot be pulled: a stand-in from Debian $suite"
-    tarball=$(debian_rootfs "$suite" python3,python3-venv,python-is-python3,ca-certificates)
+    tarball=$(debian_rootfs "$suite" "$BASE_PACKAGES")
     import_base "flashdecode-ci/python:$suite" "$tarball"
     torch=$(sed -n 's/^ARG TORCH_VERSION=//p' docker/Dockerfile.cpu)
     add_to_index "torch-$torch-cpu" "torch==$torch+cpu"
@@ -269,7 +271,7 @@ gpu_base() {
     cuda=$(echo "$official" | sed -E 's/^[^:]*:([0-9]+\.[0-9]+\.[0-9]+)-.*/\1/')
     suite=$(release)
     echo "$official cannot be pulled: a stand-in from Debian $suite and CUDA $cuda from PyPI"
-    tarball=$(debian_rootfs "$suite" ca-certificates)
+    tarball=$(debian_rootfs "$suite" "$BASE_PACKAGES")
     tree=$(cuda_tree "$cuda")
     import_base "flashdecode-ci/cuda:$cuda-$suite" "$tarball" \
         "ADD $(basename "$tree") /
