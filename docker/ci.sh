@@ -91,8 +91,8 @@ cleanup() {
         echo "FAILED during: ${STEPS[-1]:-start}" >&2
         log_tails
     fi
+    step "clean up"
     if [ -n "$DOCKERD_PID" ]; then
-        say "cleaning up"
         [ -n "$COMPOSE" ] && compose --profile cpu down --volumes --timeout 5 >/dev/null 2>&1
         for c in "${CONTAINERS[@]}"; do docker rm -f "$c" >/dev/null 2>&1; done
         docker volume rm -f "$VOLUME" >/dev/null 2>&1
@@ -109,6 +109,7 @@ cleanup() {
     # Whatever the daemon left mounted under its folders (a killed daemon), then the folders.
     grep -o " $RUN/[^ ]*" /proc/mounts | sort -r | xargs -r -n1 umount -l 2>/dev/null
     rm -rf "$RUN"
+    step ""
     if [ "$(links)" != "$LINKS_BEFORE" ]; then
         echo "network interfaces differ from before the run:" >&2
         diff <(echo "$LINKS_BEFORE") <(links) >&2
