@@ -3,6 +3,7 @@ Compose check against container descriptions that agree and disagree, Go duratio
 tree laid out from wheels. The script itself runs with `make docker-test` (root, Debian)."""
 
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -145,3 +146,51 @@ def test_cuda_layout_refuses_wheels_without_a_compiler(tmp_path):
                {"nvidia/cu13/lib/libcudart.so.13": (b"", 0o755)})
     with pytest.raises(ci.CheckFailed, match="nvcc"):
         ci.cuda_layout(tmp_path, tmp_path / "cuda")
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def states(*sequence):
+    """A container whose State follows `sequence` (Health status or "exited:N") one poll at a time."""
+    polls = iter(sequence)
+    last = {}
+
+    def inspect(name):
+        nonlocal last
+        item = next(polls, None)
+        if item is not None:
+            if item.startswith("exited:"):
+                last = {"Running": False, "ExitCode": int(item.split(":")[1]), "Health": {"Status": "unhealthy"}}
+            else:
+                last = {"Running": True, "ExitCode": 0, "Health": {"Status": item}}
+        description = container(Health__StartPeriod=10 * NS)
+        return {**description, "Name": "/c", "State": last}
+    return inspect
+
+
+@pytest.mark.parametrize("sequence, error", [
+    (["starting"] * 30, "not healthy within its start period of 10 s"),
+    (["starting", "starting", "exited:1"], "exited with status 1"),
+    (["starting", "unhealthy"], "turned unhealthy"),
+])
+def test_healthy_fails_a_container_that_does_not_turn_healthy(monkeypatch, sequence, error):
+    clock = FakeClock()
+    monkeypatch.setattr(ci, "time", clock)
+    monkeypatch.setattr(ci, "inspect", states("starting", *sequence))
+    with pytest.raises(ci.CheckFailed, match=error):
+        ci.healthy("c")
+
+
+def test_healthy_passes_within_the_start_period(monkeypatch):
+    monkeypatch.setattr(ci, "time", FakeClock())
+    monkeypatch.setattr(ci, "inspect", states("starting", "starting", "starting", "healthy"))
+    assert re.fullmatch(r"c: healthy after \d+ s \(start period 10 s\)", ci.healthy("c"))
