@@ -194,3 +194,66 @@ def test_healthy_passes_within_the_start_period(monkeypatch):
     monkeypatch.setattr(ci, "time", FakeClock())
     monkeypatch.setattr(ci, "inspect", states("starting", "starting", "starting", "healthy"))
     assert re.fullmatch(r"c: healthy after \d+ s \(start period 10 s\)", ci.healthy("c"))
+
+
+def sse_server(events: list[dict], delay: float = 0.05):
+    """A /generate_stream that sends `events`, one every `delay` seconds."""
+    import http.server
+    import threading
+    import time
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for event in events:
+                self.wfile.write(f"data:{json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(delay)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def token(index, final=None):
+    return {"index": index, "token": {"id": index, "text": "x"}, "generated_text": final and "x" * index,
+            "details": final and {"finish_reason": final, "generated_tokens": index}}
+
+
+@pytest.mark.parametrize("events, error", [
+    ([token(1), token(2), token(3), {"error": "the server is shutting down and ended the request after 3 tokens",
+                                     "error_type": "incomplete_generation"}], "cut by the stop"),
+    ([token(1), token(2), token(3)], "without its final event"),
+    ([token(1), token(2), token(3, final="length")], "after 3 of 6 tokens"),
+])
+def test_drain_fails_a_stream_the_stop_cut(monkeypatch, events, error):
+    monkeypatch.setattr(ci, "DOCKER", "true")       # `docker stop` succeeds at once
+    monkeypatch.setattr(ci, "inspect", lambda name: {"State": {"Running": False, "ExitCode": 0}})
+    server = sse_server(events)
+    try:
+        with pytest.raises(ci.CheckFailed, match=error):
+            ci.drain(f"http://127.0.0.1:{server.server_port}", "c", new_tokens=6, stop_timeout=5)
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("exit_code, error", [(0, None), (137, "exit status 137")])
+def test_drain_needs_the_whole_stream_and_exit_status_0(monkeypatch, exit_code, error):
+    monkeypatch.setattr(ci, "DOCKER", "true")
+    monkeypatch.setattr(ci, "inspect", lambda name: {"State": {"Running": False, "ExitCode": exit_code}})
+    server = sse_server([token(i) for i in range(1, 6)] + [token(6, final="length")])
+    try:
+        if error:
+            with pytest.raises(ci.CheckFailed, match=error):
+                ci.drain(f"http://127.0.0.1:{server.server_port}", "c", new_tokens=6, stop_timeout=5)
+        else:
+            assert "final event finish_reason=length" in ci.drain(
+                f"http://127.0.0.1:{server.server_port}", "c", new_tokens=6, stop_timeout=5)
+    finally:
+        server.shutdown()
