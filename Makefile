@@ -20,7 +20,7 @@ POLICY ?= cache_aware
 GPUS ?=
 SERVER_ARGS ?=
 
-.PHONY: run replicas test test-gpu bench-cpu clean browser
+.PHONY: run replicas test test-gpu bench-cpu docker-test clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ browser:
 
 test: $(STAMP) browser
 	$(PY) -m pytest -q -ra tests
+
+# Builds the CPU image and checks its container (root, Debian: installs docker.io and debootstrap,
+# runs its own Docker daemon and stops it); DOCKER_TEST_ARGS=--gpu builds the GPU image too.
+docker-test: $(STAMP)
+	PYTHON=$(PY) docker/ci.sh $(DOCKER_TEST_ARGS)
 
 $(LLAMA_STAMP):
 	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
