@@ -1,4 +1,6 @@
 # Both targets set up the virtual environment on first use and reuse it after.
+# HOST, PORT and MODEL are this file's variables for `make run`, passed to the server as flags
+# (`MODEL=random:tiny make run`); the server itself reads only FLASHDECODE_* variables.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
