@@ -216,6 +216,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
                            services: Services = Depends(get_services)) -> Response:
     check_model(body.model, engine, services)
     warn_ignored(body, request)
+    if body.token_limits_differ():
+        raise ApiError(400, f"give max_completion_tokens or max_tokens, not two different values "
+                            f"({body.max_completion_tokens} and {body.max_tokens})", param="max_completion_tokens")
     prompt = await encode_chat(engine, chat_template_messages(body.messages), shared=body.cache_salt is None)
     max_new = plan_max_new_tokens(services, engine, prompt, body.token_limit(),
                                   services.settings.default_max_new_tokens, "max_completion_tokens")

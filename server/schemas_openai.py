@@ -8,13 +8,20 @@ vLLM send such fields. A known field with a value this server cannot honour is s
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator
 
 from .schemas import (MAX_STOP_SEQUENCES, ChatMessage, FiniteFloat, Lenient, NonEmptyText, StopSequence, Strict,
-                      Text, require_neutral)
+                      Text, integer, only, require_neutral)
 
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = integer(ge=0)
 MAX_STOP_TOKEN_IDS = 64
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# What CompletionRequest._one_prompt accepts, for the document: one non-empty prompt, not a batch.
+ONE_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+    _TOKEN_IDS,
+    {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1}]}
 
 
 class StreamOptions(Lenient):
@@ -27,21 +34,21 @@ class SamplingFields(Lenient):
     model: Text = Field(description="The id listed by GET /v1/models.")
     temperature: FiniteFloat | None = Field(None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
     top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, description="Only 1 is supported.")
+    n: integer() | None = only(1, None, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: StopSequence | list[StopSequence] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: FiniteFloat | None = Field(None, description="Only 0 is supported.")
-    frequency_penalty: FiniteFloat | None = Field(None, description="Only 0 is supported; "
-                                                                    "see repetition_penalty.")
-    logit_bias: dict[str, float] | None = Field(None, description="Only an empty map is supported.")
+    stop: StopSequence | Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    seed: integer(ge=0, lt=2**63) | None = Field(None)
+    presence_penalty: FiniteFloat | None = only(0, None, description="Only 0 is supported.")
+    frequency_penalty: FiniteFloat | None = only(0, None, description="Only 0 is supported; see repetition_penalty.")
+    logit_bias: dict[str, float] | None = Field(None, description="Only an empty map is supported.",
+                                                json_schema_extra={"maxProperties": 0})
     user: Text | None = Field(None, description="Accepted and ignored.")
     # Extensions in vLLM's spelling.
-    top_k: int | None = Field(None, ge=-1, description="0 or -1 turn the top-k cut off.")
+    top_k: integer(ge=-1) | None = Field(None, description="0 or -1 turn the top-k cut off.")
     repetition_penalty: FiniteFloat | None = Field(None, ge=0.01, le=10.0)
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
-    min_tokens: int = Field(0, ge=0, description="Neither the end-of-sequence token, stop_token_ids nor stop "
+    min_tokens: integer(ge=0) = Field(0, description="Neither the end-of-sequence token, stop_token_ids nor stop "
                                                  "strings end the generation before this many tokens.")
     include_stop_str_in_output: bool = Field(False, description="true: the text ends after the stop string "
                                                                  "that ended it, not before.")
@@ -70,13 +77,6 @@ class SamplingFields(Lenient):
             raise ValueError("logit_bias is not supported by this server")
         return v
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        if isinstance(v, list) and len(v) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
-        return v
-
     def stop_tuple(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -93,13 +93,13 @@ class SamplingFields(Lenient):
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] = Field(
         description="One prompt: a string or a list of token ids (a one-element list of either "
-                    "is accepted too).")
-    max_tokens: int | None = Field(None, ge=1, description="Default 16, as OpenAI's.")
+                    "is accepted too).", json_schema_extra=lambda schema: schema.update(ONE_PROMPT_SCHEMA))
+    max_tokens: integer(ge=1) | None = Field(None, description="Default 16, as OpenAI's.")
     echo: bool = Field(False, description="Prepend the prompt to the returned text.")
-    logprobs: int | None = Field(None, ge=0, le=5, description=(
+    logprobs: integer(ge=0, le=5) | None = Field(None, description=(
         "Return the log probability of each generated token. Only the sampled token is "
         "reported in top_logprobs, whatever the number asked for."))
-    best_of: int | None = Field(None, description="Only 1 is supported.")
+    best_of: integer() | None = only(1, None, description="Only 1 is supported.")
     suffix: None = Field(None, description="Not supported; null only.")
 
     @field_validator("prompt")
@@ -135,13 +135,14 @@ class OpenAIChatMessage(ChatMessage, Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[OpenAIChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated OpenAI name of "
+    max_tokens: integer(ge=1) | None = Field(None, description="Deprecated OpenAI name of "
                                                            "max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: integer(ge=1) | None = Field(None)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, description="Only 0 is supported.")
+    top_logprobs: integer() | None = only(0, None, description="Only 0 is supported.")
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = Field(None, description="Not supported; null or [] only.")
+    tools: list[Any] | None = Field(None, description="Not supported; null or [] only.",
+                                    json_schema_extra={"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored.")
 
@@ -157,12 +158,10 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tools are not supported by this server")
         return v
 
-    @model_validator(mode="after")
-    def _one_limit(self):
-        if (self.max_tokens is not None and self.max_completion_tokens is not None
-                and self.max_tokens != self.max_completion_tokens):
-            raise ValueError("give max_completion_tokens or max_tokens, not two different values")
-        return self
+    def token_limits_differ(self) -> bool:
+        """Both limits given, different (a rule the document cannot state: the route answers 400)."""
+        return (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
