@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from .engine.params import FinishEvent, SamplingParams, TokenEvent
 from .generation import (ClientGone, Generation, Prompt, check_token_ids, decode_ids, encode_chat,
                          encode_text, finite_or_none, plan_max_new_tokens, sampling_params, submit)
-from .http_errors import ApiError, ended_by_shutdown, error_body
+from .http_errors import ApiError, ended_by_shutdown, error_body, require_json_body
 from .schemas import OpenAIErrorResponse, chat_template_messages, ignored_fields
 from .schemas_openai import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              CompletionChunk, CompletionRequest, CompletionResponse, ModelCard, ModelList,
@@ -18,10 +18,10 @@ from .services import Services, get_services, ready_engine
 from .sse import DONE, GenerationEventStream, event_stream_doc, sse_json
 
 log = logging.getLogger("server.openai")
-router = APIRouter(prefix="/v1", tags=["OpenAI"])
+router = APIRouter(prefix="/v1", tags=["OpenAI"], dependencies=[Depends(require_json_body)])
 
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort", "error": "error"}
-ERRORS = {status: {"model": OpenAIErrorResponse} for status in (400, 401, 404, 413, 422, 429, 500, 503)}
+ERRORS = {status: {"model": OpenAIErrorResponse} for status in (400, 401, 404, 413, 415, 422, 429, 500, 503)}
 
 
 def streaming(chunk_model) -> dict:
@@ -35,9 +35,14 @@ def served_names(engine, services: Services) -> set[str]:
     return {engine.model_name, services.settings.model}
 
 
+MODEL_NAME_SHOWN = 100     # characters of an unknown model name quoted back in the 404
+
+
 def check_model(name: str, engine, services: Services) -> None:
     if name not in served_names(engine, services):
-        raise ApiError(404, f"the model `{name}` does not exist; this server serves "
+        shown = name if len(name) <= MODEL_NAME_SHOWN else \
+            f"{name[:MODEL_NAME_SHOWN]}... ({len(name)} characters)"
+        raise ApiError(404, f"the model `{shown}` does not exist; this server serves "
                             f"`{engine.model_name}`", param="model")
 
 
