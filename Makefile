@@ -31,9 +31,14 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
 
-$(LLAMA_STAMP):
+# Built with the instruction sets /proc/cpuinfo lists, not -march=native (GGML_NATIVE), which also
+# takes AMX where the CPU reports it and the kernel has not enabled it: SIGILL at the first matmul.
+# --no-cache-dir and --force-reinstall: a wheel built earlier for other flags is not reused.
+$(LLAMA_STAMP): load_tests/llama_cpp_flags.py
 	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMA_VENV)/bin/pip install -q --no-binary llama-cpp-python "$(LLAMA_CPP_SPEC)"
+	flags="$$($(PYTHON) load_tests/llama_cpp_flags.py)" && echo "llama.cpp: CMAKE_ARGS=$$flags" && \
+	CMAKE_ARGS="$$flags" $(LLAMA_VENV)/bin/pip install -q --no-cache-dir --force-reinstall \
+		--no-binary llama-cpp-python "$(LLAMA_CPP_SPEC)"
 	touch $(LLAMA_STAMP)
 
 # Ours (quantised and float weights), transformers' generate and, with LLAMA_CPP=1, llama.cpp.
