@@ -19,6 +19,7 @@ MAX_N = 16                   # choices per prompt
 MAX_LOGPROBS = 20            # top log-probabilities per position (vLLM's default --max-logprobs)
 MAX_LOGIT_BIAS = 100.0
 MAX_PROMPTS = 256            # prompts in one /v1/completions request
+LOGPROB_BOUNDS = {"minimum": 0, "maximum": MAX_LOGPROBS}
 
 
 def within(name: str, value: int | None, low: int, high: int) -> int | None:
@@ -53,7 +54,8 @@ class SamplingFields(Lenient):
     temperature: FiniteFloat | None = Field(None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
     top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0)
     n: integer() | None = Field(None, description="Choices to generate (default 1); the prompt is "
-                                                   "computed once and its cache shared by all of them.")
+                                                   "computed once and its cache shared by all of them.",
+                                json_schema_extra={"minimum": 1, "maximum": MAX_N})
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopSequence | Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
@@ -63,7 +65,9 @@ class SamplingFields(Lenient):
     frequency_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0, description=(
         "Subtracted from a token's logit once per time it was generated so far."))
     logit_bias: dict[str, FiniteFloat] | None = Field(None, description=(
-        "Token id (as a string) -> a bias from -100 to 100 added to its logit before sampling."))
+        "Token id (as a string) -> a bias from -100 to 100 added to its logit before sampling."),
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"},
+                           "additionalProperties": {"minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}})
     user: Text | None = Field(None, description="Accepted and ignored.")
     # Extensions in vLLM's spelling.
     top_k: integer(ge=-1) | None = Field(None, description="0 or -1 turn the top-k cut off.")
@@ -125,11 +129,11 @@ class CompletionRequest(SamplingFields):
                                                            "(with echo: the prompt and its log-probabilities).")
     echo: bool = Field(False, description="Prepend the prompt to the returned text (and, with logprobs, its "
                                           "tokens' log-probabilities, the first null).")
-    logprobs: integer() | None = Field(None, description=(
+    logprobs: integer() | None = Field(None, json_schema_extra=LOGPROB_BOUNDS, description=(
         "The log-probability of each token and of this many likeliest tokens at each position, from the "
         "model's distribution (before temperature, penalties and bias). Capped by the server's "
         "--max-logprobs."))
-    prompt_logprobs: integer() | None = Field(None, description=(
+    prompt_logprobs: integer() | None = Field(None, json_schema_extra=LOGPROB_BOUNDS, description=(
         "vLLM's extension: the prompt tokens' log-probabilities, with this many likeliest at each position."))
     best_of: integer() | None = only(1, None, description="Only 1: vLLM V1 dropped best_of; ask for n choices and "
                                                   "pick by their logprobs instead.")
@@ -177,10 +181,10 @@ class ChatCompletionRequest(SamplingFields):
                                                            "max_completion_tokens.")
     max_completion_tokens: integer(ge=1) | None = Field(None)
     logprobs: bool = False
-    top_logprobs: integer() | None = Field(None, description=(
+    top_logprobs: integer() | None = Field(None, json_schema_extra=LOGPROB_BOUNDS, description=(
         "With logprobs: also the this many likeliest tokens at each position, from the model's distribution "
         "(before temperature, penalties and bias). Capped by the server's --max-logprobs."))
-    prompt_logprobs: integer() | None = Field(None, description=(
+    prompt_logprobs: integer() | None = Field(None, json_schema_extra=LOGPROB_BOUNDS, description=(
         "vLLM's extension: the prompt tokens' log-probabilities, with this many likeliest at each position."))
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = Field(None, description="Not supported; null or [] only.",

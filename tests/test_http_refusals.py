@@ -161,11 +161,14 @@ REFUSED = [
     ("/generate", {"inputs": "x", "parameters": {"best_of": 0}}),
     ("/generate", {"inputs": "x", "parameters": {"typical_p": 0.5}}),
     ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}),
-    ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "n": 2}),
+    ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "n": 17}),
+    ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": "x"}],
+                              "logprobs": True, "top_logprobs": 21}),
     ("/v1/completions", {"model": "fake-model", "prompt": ""}),
-    ("/v1/completions", {"model": "fake-model", "prompt": ["a", "b"]}),
+    ("/v1/completions", {"model": "fake-model", "prompt": ["a", ""]}),
     ("/v1/completions", {"model": "fake-model", "prompt": "x", "best_of": 0}),
-    ("/v1/completions", {"model": "fake-model", "prompt": "x", "logit_bias": {"1": 2.0}}),
+    ("/v1/completions", {"model": "fake-model", "prompt": "x", "logit_bias": {"1": 101.0}}),
+    ("/v1/completions", {"model": "fake-model", "prompt": "x", "logit_bias": {"a": 1.0}}),
     ("/v1/completions", {"model": "fake-model", "prompt": "x", "stop": ["s"] * 17}),
 ]
 
