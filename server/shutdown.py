@@ -4,7 +4,13 @@ The first signal starts a drain while the server keeps listening: new requests a
 Retry-After and /health answers 503, so a load balancer stops routing here; running requests
 may finish for up to ``shutdown_timeout`` seconds; the server then ends those still running
 (their streams get a proper last event) and uvicorn shuts down with nothing left to cut off.
-The process exits 0. A second SIGINT (Ctrl-C twice) stops at once.
+The process exits 0. A second SIGINT (Ctrl-C twice) cuts the wait short: the requests still
+running are ended at once, with their last events, and the server exits as after a timeout.
+
+A signal may reach the server's parent process alone (``kill PID``) or every process of it
+(``kill -- -PGID``, a terminal's Ctrl-C, systemd's control-group stop, a container runtime): the
+engine process ignores SIGINT and SIGTERM (``server.engine.process``), so either way the drain
+above is what happens.
 """
 
 import asyncio
@@ -24,16 +30,18 @@ FINAL_EVENTS_S = 5.0      # after ending the requests: time for their last event
 IDLE_ENGINE_S = 2.0       # time for the engine to report its KV blocks free
 
 
-async def drain(services: Services, timeout: float) -> None:
-    """Stops admitting, waits up to ``timeout`` s for the running requests, then ends the rest."""
+async def drain(services: Services, timeout: float, hurry: Callable[[], bool] = lambda: False) -> None:
+    """Stops admitting, waits up to ``timeout`` s for the running requests (less once ``hurry()``
+    is true), then ends the rest."""
     services.draining = True
     running = services.generations
     log.info("shutting down: new requests get 503; waiting for running requests",
              extra={"fields": {"running_requests": len(running), "shutdown_timeout_s": timeout}})
-    await _until(lambda: not running, timeout)
+    await _until(lambda: not running or hurry(), timeout)
     if running:
         ended = list(running)
-        log.warning("shutdown timeout reached: the server ends the requests still running",
+        log.warning("shutdown timeout reached: the server ends the requests still running" if not hurry() else
+                    "second interrupt: the server ends the requests still running",
                     extra={"fields": {"ended_requests": len(ended),
                                       "request_ids": [g.request_id for g in ended]}})
         for generation in ended:
@@ -56,22 +64,22 @@ async def _until(condition: Callable[[], bool], timeout: float) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, with its signal handling replaced: a signal starts ``drain()`` and uvicorn's own
-    shutdown follows it. Unlike uvicorn's, the process does not re-raise the signal on its way
-    out, so it exits with status 0."""
+    """uvicorn, with its signal handling replaced: a signal starts ``drain(hurry)`` and uvicorn's
+    own shutdown follows it; a SIGINT after the first signal makes ``hurry()`` true. Unlike
+    uvicorn's, the process does not re-raise the signal on its way out, so it exits with status 0."""
 
-    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]):
+    def __init__(self, config: uvicorn.Config, drain: Callable[[Callable[[], bool]], Awaitable[None]]):
         super().__init__(config)
         self._drain = drain
         self._drain_signal: int | None = None
         self._drain_task: asyncio.Task | None = None
+        self._hurry = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_signal is None:
             self._drain_signal = sig
         elif sig == signal.SIGINT:
-            log.warning("second interrupt: stopping without waiting for running requests")
-            self.should_exit = self.force_exit = True
+            self._hurry = True
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain_signal is not None and self._drain_task is None and not self.should_exit:
@@ -81,7 +89,7 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         try:
-            await self._drain()
+            await self._drain(lambda: self._hurry)
         except Exception:
             log.exception("draining failed")
         self.should_exit = True
