@@ -24,6 +24,8 @@ ENGINE_FLAGS = {
     "max_batch": (int, "sequences decoded in one step"),
     "max_model_len": (int, "context length cap (default: the model's)"),
     "max_prefill_tokens": (int, "prompt tokens admitted per step"),
+    "cpu_prefill_step_s": (float, "CPU: seconds a prefill step may take, by the prefill speed measured at "
+                                  "start-up (a long prompt's chunks alternate with decode steps; 0: no limit)"),
     "prefill_delay_steps": (int, "decode steps an arriving prompt may wait, while others decode, to be "
                                  "prefilled together with later arrivals (0: at once)"),
     "chained_prefill_tokens": (int, "while others decode, a prefill may follow a prefill at once if the "

@@ -25,7 +25,9 @@ from .graphs import capture_graphs
 from .kv_scales import CALIBRATION_TEXT, KvScales, calibrate, calibration_ids, load_scales
 from .pipeline import Sampled, StepPipeline
 from .prefill_graphs import PrefillGraphs, key_rows, token_slots
+from .params import SamplingParams
 from .sampler import SamplingRows, argmax_rows, clean_logits, sample, sample_clean
+from .sequence import Sequence
 from .threads import configure_cpu_threads
 
 log = logging.getLogger(__name__)
@@ -304,6 +306,16 @@ class ModelRunner:
         last_rows = to_dev([s - 1 for s in starts[1:]])
         return self.forward(to_dev(ids).unsqueeze(0), to_dev(positions).unsqueeze(0),
                               batch, logits_rows=last_rows)
+
+    def prefill_seconds(self, tokens: int, context: int) -> float:
+        """Times a throwaway prefill chunk of ``tokens`` after ``context`` cached ones, written into
+        the pool's first blocks: for an idle engine only (start-up)."""
+        seq = Sequence("prefill-probe", [1] * (context + tokens), SamplingParams(), seed=0)
+        seq.block_table = list(range(-(-(context + tokens) // self.block_size)))
+        seq.num_cached = context
+        started = time.perf_counter()
+        self.prefill([(seq, tokens)])
+        return time.perf_counter() - started
 
     def _to_device(self, values) -> torch.Tensor:
         host = torch.as_tensor(np.asarray(values, dtype=np.int32))
