@@ -36,6 +36,9 @@ def test_measure_recovers_a_per_token_and_a_per_key_cost():
     assert {t for t, _ in calls} == {PROBE_TOKENS} and {c for _, c in calls} == {0, 2048}
     small = measure(prefill_seconds, kv_tokens=PROBE_TOKENS)          # no room for a context: projections only
     assert small.per_key_s == 0.0
+    calls.clear()
+    measure(prefill_seconds, kv_tokens=40)                            # a pool smaller than the probe
+    assert set(calls) == {(40, 0)}
 
 
 def decode_all(sched, step):

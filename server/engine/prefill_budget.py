@@ -36,9 +36,9 @@ class PrefillCost:
 
 def measure(prefill_seconds: Callable[[int, int], float], kv_tokens: int) -> PrefillCost:
     """Fits ``PrefillCost`` to the time of a ``PROBE_TOKENS`` chunk at no context and after
-    ``PROBE_CONTEXT`` cached tokens (the best of two runs each, after one throwaway run);
-    ``prefill_seconds(tokens, context)`` runs one such chunk."""
-    n = PROBE_TOKENS
+    ``PROBE_CONTEXT`` cached tokens (the best of two runs each, after one throwaway run), both
+    within ``kv_tokens``; ``prefill_seconds(tokens, context)`` runs one such chunk."""
+    n = max(1, min(PROBE_TOKENS, kv_tokens))
     context = max(0, min(PROBE_CONTEXT, kv_tokens - n))
     prefill_seconds(n, 0)
     short = min(prefill_seconds(n, 0) for _ in range(2))
