@@ -19,8 +19,8 @@ blocks of it still cached). A sequence's first prefill chunk starts after the lo
 cached blocks matching its tokens (``BlockManager.match``).
 
 With a ``prefill_cost`` (the CPU: ``prefill_budget.py``), a prefill step also takes no more
-tokens than its estimated time allows (``prefill_step_s``), in whole KV blocks unless a prompt's
-rest is shorter (at least one block, so that a prompt always advances), and a prefill follows
+tokens than its estimated time allows (``prefill_step_s``; at least ``MIN_TIMED_CHUNK``, so
+that a prompt always advances), and a prefill follows
 another at once only when both together fit that time: a long prompt never holds the running
 streams for longer than one such step.
 """
@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from .block_manager import BlockManager
 from .prefill_budget import PrefillCost
 from .sequence import Sequence, Status
+
+
+MIN_TIMED_CHUNK = 16        # tokens: the least a prefill step cut by time takes
 
 
 @dataclass
@@ -149,16 +152,12 @@ class Scheduler:
         return PrefillStep(chunks)
 
     def _timed_take(self, seq: Sequence, take: int, seconds: float, first: bool) -> int:
-        """``take`` cut to what fits ``seconds``: whole blocks unless the prompt's rest is shorter;
-        the step's first chunk gets at least one block."""
+        """``take`` cut to what fits ``seconds``; the step's first chunk gets at least
+        ``MIN_TIMED_CHUNK`` tokens (so a prompt advances however slow the host)."""
         fits = self.prefill_cost.tokens_within(seconds, seq.num_cached)
-        if fits >= take:
-            return take
-        block = self.blocks.block_size
-        fits -= (seq.num_cached + fits) % block           # end on a block boundary
-        if fits <= 0:
-            return min(take, block - seq.num_cached % block) if first else 0
-        return fits
+        if first:
+            fits = max(fits, MIN_TIMED_CHUNK)
+        return min(take, fits)
 
     def _schedule_decode(self) -> DecodeStep:
         scheduled: list[Sequence] = []
