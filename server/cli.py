@@ -27,6 +27,8 @@ ENGINE_FLAGS = {
     "max_batch": (int, "sequences decoded in one step"),
     "max_model_len": (int, "context length cap (default: the model's)"),
     "max_prefill_tokens": (int, "prompt tokens admitted per step"),
+    "cpu_prefill_step_s": (float, "CPU: seconds a prefill step may take, by the prefill speed measured at "
+                                  "start-up (a long prompt's chunks alternate with decode steps; 0: no limit)"),
     "prefill_delay_steps": (int, "decode steps an arriving prompt may wait, while others decode, to be "
                                  "prefilled together with later arrivals (0: at once)"),
     "chained_prefill_tokens": (int, "while others decode, a prefill may follow a prefill at once if the "
@@ -283,7 +285,7 @@ def serve(args, settings: Settings, channel=None, sockets=None) -> int:
     server = DrainingServer(uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=log_config(settings.log_level),
         access_log=False, timeout_graceful_shutdown=5),
-        drain=lambda: drain(app.state.services, settings.shutdown_timeout))
+        drain=lambda hurry: drain(app.state.services, settings.shutdown_timeout, hurry))
     server.run(sockets=sockets)
     if failed:
         log.error("exiting: the model could not be loaded", extra={"fields": {"error": failed[0]}})
@@ -319,8 +321,15 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
     else:
         metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="flashdecode-metrics-")
     signals: list[int] = []
+    workers: list = []
 
     def on_signal(signum, frame):
+        # the first signal is passed on as SIGTERM once the loop below sees it; a SIGINT after it
+        # is passed on as is, so that each worker ends its running requests now (server/shutdown.py)
+        if signals and signum == signal.SIGINT:
+            for worker in workers:
+                if worker.is_alive():
+                    os.kill(worker.pid, signal.SIGINT)
         signals.append(signum)
 
     # before any child starts: a signal while they start must still stop them all
@@ -331,8 +340,8 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
                                                       EngineConfig(**engine_options(args)), args.api_workers,
                                                       log_config(args.log_level))
     ctx = mp.get_context("spawn")
-    workers = [ctx.Process(target=_api_worker, args=(argv, channel, sock), name=f"api-worker-{channel.worker}")
-               for channel in channels]
+    workers += [ctx.Process(target=_api_worker, args=(argv, channel, sock), name=f"api-worker-{channel.worker}")
+                for channel in channels]
     for worker in workers:
         worker.start()
     for channel in channels:
