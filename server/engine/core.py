@@ -11,6 +11,8 @@ import itertools
 import logging
 import queue
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +22,7 @@ from models import LoadedModel
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .grammar import GrammarCompiler, new_matcher
 from .model_runner import ModelRunner
 from .params import FinishEvent, SamplingParams, TokenEvent
 from .pipeline import Sampled
@@ -30,6 +33,7 @@ from .sequence import Sequence, Status
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
+COMPILE_POLL_S = 0.01        # with nothing else to do, how long a step waits for a grammar being compiled
 STATS_LOG_INTERVAL_S = 5.0
 
 
@@ -113,9 +117,13 @@ class EngineCore:
                                    config.prefill_delay_steps, config.chained_prefill_tokens)
         self.steps = 0
         self.step_stats = StepStats()
+        # structured output: requests whose grammar is being compiled, kept out of the scheduler till then
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.token_masks.vocab_size, self.eos_ids)
+        self.compiling: dict[Sequence, Future] = {}
         self.info = ModelInfo(loaded.name, self.max_model_len, self.runner.kv_tokens, config.block_size,
                               self.blocks.num_blocks, loaded.model.get_input_embeddings().num_embeddings)
         if loaded.device.type == "cuda":
+            self.runner.token_masks.warm_up()
             self._warm_up()
         graphs = self.runner.prefill_graphs
         if config.prefix_caching:
@@ -191,7 +199,7 @@ class EngineCore:
                     raise
 
     def busy(self) -> bool:
-        return self.scheduler.has_work() or self.runner.pipeline.busy
+        return self.scheduler.has_work() or self.runner.pipeline.busy or bool(self.compiling)
 
     def run_until_idle(self) -> None:
         """Steps until every request has finished (offline use: benchmarks, batch jobs)."""
@@ -199,10 +207,30 @@ class EngineCore:
             self._publish(self.step())
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
-        self.scheduler.add(Sequence(request_id, prompt_ids, params, seed))
+        seq = Sequence(request_id, prompt_ids, params, seed)
+        if params.grammar is not None:
+            self.compiling[seq] = self.grammars.compile(params.grammar)
+        else:
+            self.scheduler.add(seq)
+
+    def _admit_compiled(self) -> list[tuple[str, object]]:
+        """Requests whose grammar is compiled go to the scheduler; those whose grammar failed, end.
+        With nothing else to do, waits a little for a compile first."""
+        if not self.scheduler.has_work() and not self.runner.pipeline.busy:
+            wait_futures(self.compiling.values(), timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
+        events = []
+        for seq, future in [(s, f) for s, f in self.compiling.items() if f.done()]:
+            del self.compiling[seq]
+            try:
+                seq.matcher = new_matcher(future.result())
+            except Exception as exc:
+                events.append((seq.request_id, self._finish(seq, "error", str(exc))))
+                continue
+            self.scheduler.add(seq)
+        return events
 
     def abort(self, request_id: str) -> None:
-        for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
+        for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting, list(self.compiling)):
             if seq.request_id == request_id:
                 self._publish([(request_id, self._finish(seq, "abort"))])
                 return
@@ -225,7 +253,7 @@ class EngineCore:
         tokens are read back after it (no waiting sequence has a token in flight: a sequence
         preempted by a decode step has its last token read back by that step's launch). Batches
         that need every earlier token on the host first wait for the step in flight."""
-        events = []
+        events = self._admit_compiled() if self.compiling else []
         if self.scheduler.needs_sync():
             events += self._emit(self.runner.pipeline.drain())
         work = self.scheduler.schedule()
@@ -237,7 +265,15 @@ class EngineCore:
             return events + self._emit(self.runner.pipeline.drain())
         self.step_stats.decode_steps += 1
         self.step_stats.generated += len(work.seqs)
-        return events + self._emit(self.runner.decode_step(work.seqs, self._sampling_rows(work.seqs)))
+        constrain = None
+        if any(seq.matcher is not None for seq in work.seqs):
+            def constrain(previous: Sampled | None):
+                """The previous step's tokens applied (matchers advanced), then this step's mask,
+                filled while the device runs the step's forward."""
+                events.extend(self._emit(previous))
+                return self.runner.token_masks.fill(work.seqs)
+        sampled = self.runner.decode_step(work.seqs, self._sampling_rows(work.seqs), constrain)
+        return events + self._emit(sampled)
 
     def _prefill(self, work: PrefillStep) -> list:
         self.step_stats.prefill_steps += 1
@@ -291,10 +327,14 @@ class EngineCore:
         eos = token in self.eos_ids
         params = seq.params
         may_stop = len(seq.output_ids) > params.min_tokens
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            return ((seq.request_id, self._finish(seq, "error", f"token {token} breaks the request's grammar")),)
         if eos and not params.ignore_eos and may_stop:
             reason = "eos"
         elif token in params.stop_token_ids and may_stop:
             reason = "stop"
+        elif seq.matcher is not None and seq.matcher.is_terminated():
+            reason = "eos"                         # the grammar is complete: nothing more may follow
         elif len(seq.output_ids) >= params.max_new_tokens or seq.length >= self.max_model_len:
             reason = "length"
         # a stop token id prints nothing, as EOS does
@@ -306,6 +346,7 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> FinishEvent:
         self._mark_scheduled(seq)
+        self.compiling.pop(seq, None)
         self.scheduler.remove(seq, keep_cache=reason != "error")
         seq.status = Status.FINISHED
         seq.finish_reason = reason
@@ -317,7 +358,8 @@ class EngineCore:
                            seq.cached_tokens or 0)
 
     def fail_all(self, message: str) -> None:
-        seqs = list(itertools.chain(self.scheduler.running, self.scheduler.waiting))
+        seqs = list(itertools.chain(self.scheduler.running, self.scheduler.waiting, self.compiling))
+        self.compiling.clear()
         events = []
         for seq in seqs:
             try:

@@ -32,6 +32,7 @@ class Sequence:
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
         self.preemptions = 0
+        self.matcher = None                      # structured output: the grammar's matcher (grammar.py)
 
     def append(self, token: int) -> None:
         self.output_ids.append(token)

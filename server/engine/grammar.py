@@ -1,0 +1,136 @@
+"""Constrained decoding through xgrammar: grammars compiled against the vocabulary (cached by their
+text, on a thread of their own), one matcher per request, and the per-step token bitmask.
+
+A request with a grammar waits outside the scheduler until its grammar is compiled; the others
+keep decoding meanwhile. Each step the bitmask rows of the constrained requests are filled on the
+CPU (xgrammar's batch matcher, on its threads) while the device runs the step's forward, copied to
+the device and applied to those rows of the logits only, before sampling. The end-of-sequence
+token is allowed exactly when the grammar accepts what was generated.
+"""
+
+import json
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import xgrammar as xgr
+
+from .params import GrammarSpec
+
+log = logging.getLogger(__name__)
+
+# Whitespace only where JSON's usual separators put it (", " and ": "): a small model left free to
+# write whitespace can write nothing else until its token limit.
+JSON_OPTIONS = dict(any_whitespace=False, strict_mode=True)
+FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """A grammar whose only sentences are ``choices`` (vLLM's guided_choice)."""
+    if not choices:
+        raise ValueError("choice needs at least one string")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def parse_grammar(spec: GrammarSpec) -> xgr.Grammar:
+    """The grammar of ``spec``, without the vocabulary: what a front end checks a request with.
+    Raises ValueError naming the problem."""
+    try:
+        if spec.kind == "json_schema":
+            return xgr.Grammar.from_json_schema(spec.text, **JSON_OPTIONS)
+        if spec.kind == "json_object":
+            return xgr.Grammar.builtin_json_grammar()
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.text)
+        if spec.kind == "ebnf":
+            return xgr.Grammar.from_ebnf(spec.text)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"the {spec.kind} cannot be compiled: {exc}") from None
+    raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+
+class GrammarCompiler:
+    """Compiles grammars against the model's vocabulary on a thread of its own, each text once
+    (xgrammar's compiler keeps what it compiled)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._compiler: Future = self._executor.submit(self._make_compiler, tokenizer, vocab_size, sorted(stop_ids))
+
+    @staticmethod
+    def _make_compiler(tokenizer, vocab_size: int, stop_ids: list[int]) -> xgr.GrammarCompiler:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        return xgr.GrammarCompiler(info, max_threads=FILL_THREADS)
+
+    def compile(self, spec: GrammarSpec) -> Future:
+        """A future of the ``xgr.CompiledGrammar``; its exception, a ValueError naming the problem."""
+        return self._executor.submit(self._compile, spec)
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        compiler = self._compiler.result()
+        try:
+            if spec.kind == "json_schema":
+                return compiler.compile_json_schema(spec.text, **JSON_OPTIONS)
+            if spec.kind == "json_object":
+                return compiler.compile_builtin_json_grammar()
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.text)
+            if spec.kind == "ebnf":
+                return compiler.compile_grammar(spec.text)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"the {spec.kind} cannot be compiled: {exc}") from None
+        raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def new_matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
+    return xgr.GrammarMatcher(compiled)
+
+
+class TokenMasks:
+    """The bitmask of a step's constrained rows: filled on the host, applied on the device.
+
+    Two host buffers take turns (pinned on CUDA), so a fill never overwrites a buffer whose copy
+    to the device may still be pending."""
+
+    def __init__(self, max_batch: int, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        pin = device.type == "cuda"
+        self._hosts = [xgr.allocate_token_bitmask(max_batch, vocab_size) for _ in range(2)]
+        if pin:
+            self._hosts = [h.pin_memory() for h in self._hosts]
+        self._device = xgr.allocate_token_bitmask(max_batch, vocab_size).to(device) if pin else None
+        self._turn = 0
+        self._batch = xgr.BatchGrammarMatcher(FILL_THREADS)
+
+    def fill(self, seqs) -> tuple[torch.Tensor, list[int]] | None:
+        """The bitmask for ``seqs`` on the device and the rows it constrains (those with a live
+        matcher), or None when no row is constrained."""
+        rows = [i for i, s in enumerate(seqs)
+                if s.matcher is not None and not s.is_finished and not s.matcher.is_terminated()]
+        if not rows:
+            return None
+        self._turn ^= 1
+        host = self._hosts[self._turn]
+        self._batch.batch_fill_next_token_bitmask([seqs[i].matcher for i in rows], host, indices=rows)
+        n = len(seqs)
+        if self._device is None:
+            return host[:n], rows
+        self._device[:n].copy_(host[:n], non_blocking=True)
+        return self._device[:n], rows
+
+    def apply(self, logits: torch.Tensor, mask: tuple[torch.Tensor, list[int]]) -> None:
+        """Masked tokens' logits set to -inf, in place, on the rows ``fill`` named."""
+        bitmask, rows = mask
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+                                        indices=None if len(rows) == logits.shape[0] else rows)
+
+    def warm_up(self) -> None:
+        """One application, so the first constrained request does not pay for the kernel's set-up."""
+        logits = torch.zeros(1, self.vocab_size, device=self.device)
+        bitmask = (self._device if self._device is not None else self._hosts[0])[:1]
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
