@@ -10,17 +10,20 @@ from .engine.params import FinishEvent, SamplingParams, TokenEvent
 from .generation import (ClientGone, Generation, Prompt, check_token_ids, decode_ids, encode_chat,
                          encode_text, finite_or_none, plan_max_new_tokens, sampling_params, submit)
 from .http_errors import ApiError, ended_by_shutdown, error_body
-from .schemas import OpenAIErrorResponse, chat_template_messages, ignored_fields
+from .schemas import OpenAIErrorResponse, ignored_fields
 from .schemas_openai import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              CompletionChunk, CompletionRequest, CompletionResponse, ModelCard, ModelList,
                              SamplingFields)
 from .services import Services, get_services, ready_engine
 from .sse import DONE, GenerationEventStream, event_stream_doc, sse_json
+from .structured import constrain, openai_grammar
+from .tools import ToolCallStream, parse_tool_calls, plan_tools, template_messages
 
 log = logging.getLogger("server.openai")
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort", "error": "error"}
+CALLS_FINISH = ("eos", "stop")          # reasons that become "tool_calls" when the output made calls
 ERRORS = {status: {"model": OpenAIErrorResponse} for status in (400, 401, 404, 413, 422, 429, 500, 503)}
 
 
@@ -177,8 +180,8 @@ async def completions(body: CompletionRequest, request: Request, engine=Depends(
     default = min(services.settings.default_completion_tokens, services.settings.default_max_new_tokens)
     max_new = plan_max_new_tokens(services, engine, prompt, body.max_tokens, default, "max_tokens")
     want_logprobs = body.logprobs is not None
-    gen = submit(services, engine, request, prompt, openai_sampling(engine, body, max_new, want_logprobs),
-                 endpoint="completions", streaming=body.stream)
+    params = await constrain(openai_sampling(engine, body, max_new, want_logprobs), openai_grammar(body))
+    gen = submit(services, engine, request, prompt, params, endpoint="completions", streaming=body.stream)
     echo = prompt.text if body.echo else ""
     chunk = envelope(gen, "text_completion", "cmpl", body.model)
 
@@ -216,36 +219,69 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
                            services: Services = Depends(get_services)) -> Response:
     check_model(body.model, engine, services)
     warn_ignored(body, request)
-    prompt = await encode_chat(engine, chat_template_messages(body.messages), shared=body.cache_salt is None)
+    try:
+        tools = plan_tools(body, engine.tokenizer)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="tool_choice") from None
+    grammar = openai_grammar(body)
+    if tools.grammar is not None:
+        if grammar is not None:
+            raise ApiError(400, f"{grammar[1]} and tools (tool_choice not 'none') together", param=grammar[1])
+        grammar = (tools.grammar, "tools")
+    prompt = await encode_chat(engine, template_messages(body.messages, tools.tools, tools.fmt),
+                               shared=body.cache_salt is None, tools=tools.tools if tools.fmt.template_renders_tools else None)
     max_new = plan_max_new_tokens(services, engine, prompt, body.token_limit(),
                                   services.settings.default_max_new_tokens, "max_completion_tokens")
-    gen = submit(services, engine, request, prompt, openai_sampling(engine, body, max_new, body.logprobs),
-                 endpoint="chat.completions", streaming=body.stream)
+    params = await constrain(openai_sampling(engine, body, max_new, body.logprobs), grammar)
+    gen = submit(services, engine, request, prompt, params, endpoint="chat.completions", streaming=body.stream)
     chunk = envelope(gen, "chat.completion.chunk" if body.stream else "chat.completion",
                      "chatcmpl", body.model)
 
     if body.stream:
+        calls = ToolCallStream(tools.fmt) if tools.active else None
+
+        def delta(text: str, made: list[dict]) -> dict:
+            out = {"content": text} if text else {}
+            if made:
+                first = len(calls.calls) - len(made)
+                out["tool_calls"] = [{"index": first + i, **call} for i, call in enumerate(made)]
+            return out
+
         def token_choice(t: TokenEvent) -> dict | None:
             t.text = text_of(t, engine.tokenizer, body.skip_special_tokens)
             if not t.text:
                 return None
-            return {"index": 0, "delta": {"content": t.text},
-                    "logprobs": chat_logprobs([t]) if body.logprobs else None, "finish_reason": None}
+            d = delta(*calls.feed(t.text)) if calls is not None else {"content": t.text}
+            if not d:
+                return None
+            return {"index": 0, "delta": d, "logprobs": chat_logprobs([t]) if body.logprobs else None,
+                    "finish_reason": None}
+
+        def final_choice(f: FinishEvent) -> dict:
+            d = delta(*calls.finish()) if calls is not None else {}
+            reason = FINISH_REASONS[f.reason]
+            if calls is not None and calls.calls and f.reason in CALLS_FINISH:
+                reason = "tool_calls"
+            return {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
 
         head = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}]
         return GenerationEventStream(openai_stream(
-            gen, head=head, chunk=chunk, token_choice=token_choice,
-            final_choice=lambda f: {"index": 0, "delta": {}, "logprobs": None,
-                                    "finish_reason": FINISH_REASONS[f.reason]},
+            gen, head=head, chunk=chunk, token_choice=token_choice, final_choice=final_choice,
             include_usage=body.include_usage(), continuous_usage=body.continuous_usage()), gen)
 
     finish = await finish_or_raise(gen, request)
     if finish is None:
         return Response(status_code=499)
-    choice = {"index": 0, "message": {"role": "assistant", "content": final_text(gen, finish, engine, body)},
-              "logprobs": chat_logprobs(gen.tokens) if body.logprobs else None,
-              "finish_reason": FINISH_REASONS[finish.reason]}
+    message = {"role": "assistant", "content": final_text(gen, finish, engine, body)}
+    reason = FINISH_REASONS[finish.reason]
+    if tools.active:
+        message["content"], made = parse_tool_calls(message["content"], tools.fmt)
+        if made:
+            message["tool_calls"] = made
+            reason = "tool_calls" if finish.reason in CALLS_FINISH else reason
+    choice = {"index": 0, "message": message, "logprobs": chat_logprobs(gen.tokens) if body.logprobs else None,
+              "finish_reason": reason}
     return JSONResponse({**chunk(choice), "usage": usage(finish)})
 
 

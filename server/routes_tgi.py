@@ -15,6 +15,7 @@ from .http_errors import ApiError, ended_by_shutdown
 from .schemas import (MAX_STOP_SEQUENCES, ErrorResponse, GenerateParameters, GenerateRequest,
                       GenerateResponse, Info, StreamResponse, chat_template_messages)
 from .services import Services, get_services, ready_engine
+from .structured import constrain, tgi_grammar
 from .sse import GenerationEventStream, event_stream_doc, sse_json
 
 log = logging.getLogger("server.tgi")
@@ -114,7 +115,7 @@ async def run_generate(body: GenerateRequest, request: Request, engine, services
     max_new = plan_max_new_tokens(services, engine, prompt, params.max_new_tokens,
                                   services.settings.default_max_new_tokens,
                                   "parameters.max_new_tokens")
-    sampling = tgi_sampling(engine, params, max_new)
+    sampling = await constrain(tgi_sampling(engine, params, max_new), tgi_grammar(params.grammar))
     prefix = prompt.text if params.return_full_text else ""
     gen = submit(services, engine, request, prompt, sampling, endpoint=endpoint, streaming=stream)
     if stream:

@@ -102,6 +102,12 @@ class OpenAIErrorResponse(BaseModel):
 # ---------------------------------------------------------------- TGI
 
 
+class TgiGrammar(Strict):
+    type: Literal["json", "regex"] = Field(description="json: value is a JSON schema; "
+                                                      "regex: value is a regular expression.")
+    value: dict[str, Any] | Text = Field(description="The schema (object or its text) or the expression.")
+
+
 class GenerateParameters(Strict):
     max_new_tokens: int | None = Field(
         None, ge=1, description="Tokens to generate at most; default: the server's default, "
@@ -129,7 +135,7 @@ class GenerateParameters(Strict):
     decoder_input_details: bool = Field(False, description="Not supported; false only.")
     top_n_tokens: int | None = Field(None, description="Not supported; null or 0 only.")
     frequency_penalty: FiniteFloat | None = Field(None, description="Not supported; null or 0 only.")
-    grammar: None = Field(None, description="Not supported; null only.")
+    grammar: TgiGrammar | None = Field(None, description="Structured output: JSON under a schema or a regex.")
     adapter_id: None = Field(None, description="Not supported; null only.")
 
     @field_validator("best_of")
@@ -228,3 +234,4 @@ class Info(BaseModel):
     max_total_tokens: int
     max_stop_sequences: int
     version: str
+

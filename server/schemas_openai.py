@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from .schemas import (MAX_STOP_SEQUENCES, ChatMessage, FiniteFloat, Lenient, NonEmptyText, StopSequence, Strict,
-                      Text, require_neutral)
+                      Text, TextPart, require_neutral)
+from .schemas_structured import GuidedFields, ResponseFormat, ToolCall, ToolChoice, ToolDefinition
 
 TokenId = Annotated[int, Field(ge=0)]
 MAX_STOP_TOKEN_IDS = 64
@@ -90,7 +91,7 @@ class SamplingFields(Lenient):
         return self.include_usage() and self.stream_options.continuous_usage_stats
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, GuidedFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] = Field(
         description="One prompt: a string or a list of token ids (a one-element list of either "
                     "is accepted too).")
@@ -125,15 +126,25 @@ class CompletionRequest(SamplingFields):
         return require_neutral(v, (None, 1), "best_of other than 1")
 
 
-class ResponseFormat(Strict):
-    type: Literal["text"] = Field(description="Only plain text is supported.")
-
-
 class OpenAIChatMessage(ChatMessage, Lenient):
-    """A chat message; fields the template does not use (tool_calls: [], say) are ignored."""
+    """A chat message; fields the template does not use are ignored. An assistant message may
+    carry tool_calls (its content null), a tool message the result of one."""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+
+    def text(self) -> str:
+        return "" if self.content is None else super().text()
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only for an assistant message with tool_calls)")
+        return self
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, GuidedFields):
     messages: list[OpenAIChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated OpenAI name of "
                                                            "max_completion_tokens.")
@@ -141,21 +152,14 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, description="Only 0 is supported.")
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = Field(None, description="Not supported; null or [] only.")
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored.")
+    tools: list[ToolDefinition] | None = Field(None, description="Functions the model may call.")
+    tool_choice: ToolChoice | None = Field(None, description="Default 'auto' with tools, 'none' without.")
+    parallel_tool_calls: bool | None = Field(None, description="Default true: several calls in one answer.")
 
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, v):
         return require_neutral(v, (None, 0), "top_logprobs above 0")
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported by this server")
-        return v
 
     @model_validator(mode="after")
     def _one_limit(self):
@@ -215,7 +219,8 @@ class ChatChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -270,16 +275,24 @@ class CompletionChunk(BaseModel):
                                                   "with continuous_usage_stats too, on every chunk.")
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] | None = Field(None, description="name and arguments (JSON text)")
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(None, description="Each call whole, in one delta.")
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = Field(
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = Field(
         description="Set on the last chunk; 'abort': the server ended the request while shutting down.")
 
 

@@ -11,6 +11,7 @@ token is allowed exactly when the grammar accepts what was generated.
 import json
 import logging
 import os
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -24,6 +25,13 @@ log = logging.getLogger(__name__)
 # write whitespace can write nothing else until its token limit.
 JSON_OPTIONS = dict(any_whitespace=False, strict_mode=True)
 FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+COMPILE_ERRORS = (RuntimeError, ValueError, TypeError)       # xgrammar's own errors derive from RuntimeError
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def _failure(spec: GrammarSpec, exc: Exception) -> ValueError:
+    """The library's message without its time stamp and source line."""
+    return ValueError(f"the {spec.kind} cannot be compiled: {_SOURCE_PREFIX.sub('', str(exc)).strip()}")
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -45,8 +53,10 @@ def parse_grammar(spec: GrammarSpec) -> xgr.Grammar:
             return xgr.Grammar.from_regex(spec.text)
         if spec.kind == "ebnf":
             return xgr.Grammar.from_ebnf(spec.text)
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise ValueError(f"the {spec.kind} cannot be compiled: {exc}") from None
+        if spec.kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(spec.text)
+    except COMPILE_ERRORS as exc:
+        raise _failure(spec, exc) from None
     raise ValueError(f"unknown grammar kind {spec.kind!r}")
 
 
@@ -78,8 +88,10 @@ class GrammarCompiler:
                 return compiler.compile_regex(spec.text)
             if spec.kind == "ebnf":
                 return compiler.compile_grammar(spec.text)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise ValueError(f"the {spec.kind} cannot be compiled: {exc}") from None
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.text)
+        except COMPILE_ERRORS as exc:
+            raise _failure(spec, exc) from None
         raise ValueError(f"unknown grammar kind {spec.kind!r}")
 
     def shutdown(self) -> None:

@@ -9,8 +9,9 @@ FinishReason = Literal["length", "stop", "eos", "abort", "error"]
 @dataclass(frozen=True)
 class GrammarSpec:
     """A constraint on the generated text (``grammar.py`` compiles it): ``kind`` "json_schema"
-    (``text``: the schema as JSON), "json_object" (any JSON object), "regex" or "ebnf"."""
-    kind: Literal["json_schema", "json_object", "regex", "ebnf"]
+    (``text``: the schema as JSON), "json_object" (any JSON object), "regex", "ebnf" or
+    "structural_tag" (xgrammar's, as JSON: tool calls)."""
+    kind: Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
     text: str = ""
 
 
