@@ -217,6 +217,7 @@ class ToolCallStream:
         self._held = ""
         self._in_call = False
         self._started = False            # llama3_json: some content was sent, so no call follows
+        self._blank = ""                 # whitespace held back
         self.calls: list[dict] = []
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
@@ -251,7 +252,12 @@ class ToolCallStream:
         return self._content("".join(content)), calls
 
     def _content(self, text: str) -> str:
-        self._started = self._started or bool(text)
+        """Text to send, whitespace held back until text follows it (none between calls)."""
+        self._blank += text
+        if not self._blank.strip():
+            return ""
+        text, self._blank = self._blank, ""
+        self._started = True
         return text
 
     def _feed_llama(self) -> tuple[str, list[dict]]:
@@ -274,7 +280,10 @@ class ToolCallStream:
                 self.calls += calls
                 return "", calls
             return held, []
-        return (HERMES_OPEN + held if self._in_call else held), []
+        rest = HERMES_OPEN + held if self._in_call else held
+        if not rest.strip() and self.calls:
+            return "", []
+        return self._blank + rest, []
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 # Whitespace only where JSON's usual separators put it (", " and ": "): a small model left free to
 # write whitespace can write nothing else until its token limit.
 JSON_OPTIONS = dict(any_whitespace=False, strict_mode=True)
+JSON_OBJECT = '{"type": "object"}'      # OpenAI's json_object: an object (xgrammar's builtin JSON is any value)
 FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 COMPILE_ERRORS = (RuntimeError, ValueError, TypeError)       # xgrammar's own errors derive from RuntimeError
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -32,6 +33,35 @@ _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 def _failure(spec: GrammarSpec, exc: Exception) -> ValueError:
     """The library's message without its time stamp and source line."""
     return ValueError(f"the {spec.kind} cannot be compiled: {_SOURCE_PREFIX.sub('', str(exc)).strip()}")
+
+
+# Formats xgrammar writes more loosely than their standards (it allows 2023-02-31 and 010.0.0.1):
+# replaced by patterns that admit exactly the valid values (calendar and leap years included).
+_YEAR = r"([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (rf"({_YEAR}-(0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|{_YEAR}-(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+         rf"|{_YEAR}-02-(0[1-9]|1[0-9]|2[0-8])|{_LEAP_YEAR}-02-29)")
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]([.][0-9]{1,6}){0,1}(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9][0-9]|[0-9])"
+# written without "\." and "?": xgrammar 0.2.9 reads "(\.[0-9]{1,6})?" in a schema's pattern as if the
+# dot were optional
+EXACT_FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$", "ipv4": f"^({_OCTET}[.]){{3}}{_OCTET}$"}
+
+
+def _exact_formats(node):
+    if isinstance(node, list):
+        return [_exact_formats(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _exact_formats(v) for k, v in node.items()}
+    if node.get("format") in EXACT_FORMATS and "pattern" not in node:
+        node["pattern"] = EXACT_FORMATS[node.pop("format")]
+    return node
+
+
+def library_schema(text: str) -> str:
+    """The schema xgrammar compiles: ``EXACT_FORMATS`` in place of those formats."""
+    return json.dumps(_exact_formats(json.loads(text)))
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -46,9 +76,9 @@ def parse_grammar(spec: GrammarSpec) -> xgr.Grammar:
     Raises ValueError naming the problem."""
     try:
         if spec.kind == "json_schema":
-            return xgr.Grammar.from_json_schema(spec.text, **JSON_OPTIONS)
+            return xgr.Grammar.from_json_schema(library_schema(spec.text), **JSON_OPTIONS)
         if spec.kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+            return xgr.Grammar.from_json_schema(JSON_OBJECT, **JSON_OPTIONS)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.text)
         if spec.kind == "ebnf":
@@ -81,9 +111,9 @@ class GrammarCompiler:
         compiler = self._compiler.result()
         try:
             if spec.kind == "json_schema":
-                return compiler.compile_json_schema(spec.text, **JSON_OPTIONS)
+                return compiler.compile_json_schema(library_schema(spec.text), **JSON_OPTIONS)
             if spec.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+                return compiler.compile_json_schema(JSON_OBJECT, **JSON_OPTIONS)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.text)
             if spec.kind == "ebnf":
