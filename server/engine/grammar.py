@@ -143,15 +143,17 @@ class TokenMasks:
         self.device = device
         pin = device.type == "cuda"
         self._hosts = [xgr.allocate_token_bitmask(max_batch, vocab_size) for _ in range(2)]
+        self._rows = [torch.zeros(max_batch, dtype=torch.int32) for _ in range(2)]   # the constrained rows' indices
         if pin:
             self._hosts = [h.pin_memory() for h in self._hosts]
+            self._rows = [r.pin_memory() for r in self._rows]
         self._device = xgr.allocate_token_bitmask(max_batch, vocab_size).to(device) if pin else None
         self._turn = 0
         self._batch = xgr.BatchGrammarMatcher(FILL_THREADS)
 
-    def fill(self, seqs) -> tuple[torch.Tensor, list[int]] | None:
-        """The bitmask for ``seqs`` on the device and the rows it constrains (those with a live
-        matcher), or None when no row is constrained."""
+    def fill(self, seqs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The bitmask for ``seqs`` on the device and the indices of the rows it constrains (those
+        with a live matcher; None: all), or None when no row is constrained."""
         rows = [i for i, s in enumerate(seqs)
                 if s.matcher is not None and not s.is_finished and not s.matcher.is_terminated()]
         if not rows:
@@ -160,19 +162,25 @@ class TokenMasks:
         host = self._hosts[self._turn]
         self._batch.batch_fill_next_token_bitmask([seqs[i].matcher for i in rows], host, indices=rows)
         n = len(seqs)
+        indices = None
+        if len(rows) < n:
+            indices = self._rows[self._turn][:len(rows)]
+            indices.numpy()[:] = rows
         if self._device is None:
-            return host[:n], rows
+            return host[:n], indices
         self._device[:n].copy_(host[:n], non_blocking=True)
-        return self._device[:n], rows
+        return self._device[:n], indices            # xgrammar copies the (pinned) indices without waiting
 
-    def apply(self, logits: torch.Tensor, mask: tuple[torch.Tensor, list[int]]) -> None:
+    def apply(self, logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor | None]) -> None:
         """Masked tokens' logits set to -inf, in place, on the rows ``fill`` named."""
-        bitmask, rows = mask
+        bitmask, indices = mask
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
-                                        indices=None if len(rows) == logits.shape[0] else rows)
+                                        indices=indices.tolist() if indices is not None and self._device is None else indices)
 
     def warm_up(self) -> None:
-        """One application, so the first constrained request does not pay for the kernel's set-up."""
-        logits = torch.zeros(1, self.vocab_size, device=self.device)
-        bitmask = (self._device if self._device is not None else self._hosts[0])[:1]
+        """Applications with and without row indices, so the first constrained request does not
+        pay for the kernels' compilation."""
+        logits = torch.zeros(2, self.vocab_size, device=self.device)
+        bitmask = (self._device if self._device is not None else self._hosts[0])[:2]
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=self._rows[0][:1])
