@@ -33,8 +33,8 @@ class ResponseFormat(Strict):
         return self
 
 
-class StructuredOutputs(Strict):
-    """vLLM's structured_outputs: exactly one constraint."""
+class StructuredOutputs(Lenient):
+    """vLLM's structured_outputs: exactly one constraint (its other options are ignored and logged)."""
     json_: dict[str, Any] | Text | None = Field(None, alias="json", description="A JSON schema (object or its text).")
     regex: NonEmptyText | None = None
     choice: list[Text] | None = Field(None, min_length=1, max_length=MAX_CHOICES,

@@ -36,7 +36,7 @@ def _failure(spec: GrammarSpec, exc: Exception) -> ValueError:
 
 
 # Formats xgrammar writes more loosely than their standards (it allows 2023-02-31 and 010.0.0.1):
-# replaced by patterns that admit exactly the valid values (calendar and leap years included).
+# replaced by patterns that admit only valid values (calendar and leap years included).
 _YEAR = r"([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
 _DATE = (rf"({_YEAR}-(0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|{_YEAR}-(0[469]|11)-(0[1-9]|[12][0-9]|30)"
@@ -45,7 +45,10 @@ _TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]([.][0-9]{1,6}){0,1}(Z|[+-]([0
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9][0-9]|[0-9])"
 # written without "\." and "?": xgrammar 0.2.9 reads "(\.[0-9]{1,6})?" in a schema's pattern as if the
 # dot were optional
-EXACT_FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$", "ipv4": f"^({_OCTET}[.]){{3}}{_OCTET}$"}
+# email: the common form, bounded as RFC 5321 bounds it (xgrammar's lets a model loop in the local part)
+_EMAIL = r"[A-Za-z0-9_%+-]{1,64}([.][A-Za-z0-9_%+-]{1,64}){0,8}@[A-Za-z0-9-]{1,63}([.][A-Za-z0-9-]{1,63}){1,8}"
+EXACT_FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$",
+                 "ipv4": f"^({_OCTET}[.]){{3}}{_OCTET}$", "email": f"^{_EMAIL}$"}
 
 
 def _exact_formats(node):
