@@ -45,8 +45,9 @@ _TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]([.][0-9]{1,6}){0,1}(Z|[+-]([0
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9][0-9]|[0-9])"
 # written without "\." and "?": xgrammar 0.2.9 reads "(\.[0-9]{1,6})?" in a schema's pattern as if the
 # dot were optional
-# email: the common form, bounded as RFC 5321 bounds it (xgrammar's lets a model loop in the local part)
-_EMAIL = r"[A-Za-z0-9_%+-]{1,64}([.][A-Za-z0-9_%+-]{1,64}){0,8}@[A-Za-z0-9-]{1,63}([.][A-Za-z0-9-]{1,63}){1,8}"
+# email: the common form, its local part at most 64 characters as RFC 5321 has it, at most four domain
+# labels of 32 (xgrammar's lets a model loop in the local part without end)
+_EMAIL = r"[A-Za-z0-9_%+-][A-Za-z0-9._%+-]{0,63}@[A-Za-z0-9-]{1,32}([.][A-Za-z0-9-]{1,32}){1,3}"
 EXACT_FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$",
                  "ipv4": f"^({_OCTET}[.]){{3}}{_OCTET}$", "email": f"^{_EMAIL}$"}
 
