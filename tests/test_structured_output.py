@@ -159,7 +159,7 @@ def test_abort_and_finish_drop_the_tokens_in_flight(engine):
     for tokens, _, finish in done[:8]:
         assert finish.reason in ("abort", "eos") and finish.completion_tokens == len(tokens)
     assert engine.core.blocks.num_free == engine.core.blocks.num_blocks
-    assert not engine.core.compiling
+    assert not engine.core.compiling and engine.core.constrained == 0
 
 
 def test_compile_failure_in_the_engine_fails_only_that_request(engine):

@@ -120,6 +120,7 @@ class EngineCore:
         # structured output: requests whose grammar is being compiled, kept out of the scheduler till then
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.token_masks.vocab_size, self.eos_ids)
         self.compiling: dict[Sequence, Future] = {}
+        self.constrained = 0                 # admitted requests with a grammar, not finished
         self.info = ModelInfo(loaded.name, self.max_model_len, self.runner.kv_tokens, config.block_size,
                               self.blocks.num_blocks, loaded.model.get_input_embeddings().num_embeddings)
         if loaded.device.type == "cuda":
@@ -226,6 +227,7 @@ class EngineCore:
             except Exception as exc:
                 events.append((seq.request_id, self._finish(seq, "error", str(exc))))
                 continue
+            self.constrained += 1
             self.scheduler.add(seq)
         return events
 
@@ -266,7 +268,7 @@ class EngineCore:
         self.step_stats.decode_steps += 1
         self.step_stats.generated += len(work.seqs)
         constrain = None
-        if any(seq.matcher is not None for seq in work.seqs):
+        if self.constrained and any(seq.matcher is not None for seq in work.seqs):
             def constrain(previous: Sampled | None):
                 """The previous step's tokens applied (matchers advanced), then this step's mask,
                 filled while the device runs the step's forward."""
@@ -347,6 +349,8 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> FinishEvent:
         self._mark_scheduled(seq)
         self.compiling.pop(seq, None)
+        if seq.matcher is not None and not seq.is_finished:
+            self.constrained -= 1
         self.scheduler.remove(seq, keep_cache=reason != "error")
         seq.status = Status.FINISHED
         seq.finish_reason = reason
