@@ -73,7 +73,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # Where a projection runs our GEMV instead of cuBLAS, by measurement (python -m
-# kernels.bench_layer_ops, and the decode step of each preset at B=1): one row with up to
+# benchmarks.layer_ops_bench, and the decode step of each preset at B=1): one row with up to
 # GEMV_MAX_OUT output features and GEMV_MAX_WEIGHT weight elements (past those its warps' chains
 # of loads are longer than cuBLAS's), two rows with up to GEMV_MAX_WEIGHT_TWO_ROWS elements;
 # more rows always take cuBLAS.

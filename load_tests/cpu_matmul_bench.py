@@ -2,7 +2,7 @@
 holds them: one layer's fused q/k/v, o, fused gate/up and down, and the LM head) against dense
 float32 and bfloat16 matmuls of the same shapes, at the rows of a decode step (1) and of prefills.
 It shows what PyTorch's int4 kernel gives on this CPU: its fast path is AVX-512's (docs/cpu.md,
-AVX2 hosts). Medians of 7 timings of ``--calls`` calls each; GB/s counts the weights' bytes.
+Hosts without AVX-512). Medians of 7 timings of ``--calls`` calls each; GB/s counts the weights' bytes.
 
     python -m load_tests.cpu_matmul_bench --rows 1 16 128 --threads 1 2
 """

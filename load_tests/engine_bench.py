@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.bench import replay_us
+from benchmarks.kernel_bench import replay_us
 from models import load_model
 from server.engine import EngineConfig, EngineCore, FinishEvent, SamplingParams, freeze_startup_heap
 from server.engine.block_manager import BlockManager

@@ -103,7 +103,7 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if scale != 1.0:
         q = q * scale
     # batched over (sequence, split, KV head) with torch.bmm: matmul's broadcasting costs more
-    # than these small products (docs/cpu.md, Profile)
+    # than these small products (docs/log.md, CPU op trimming)
     n, block_size = k.shape[1], k.shape[3]
     qg = q.to(k.dtype).view(batch, 1, num_kv_heads, -1, head_dim)
     group = qg.shape[3]

@@ -2,8 +2,9 @@
 
 Run eagerly, a B=1 decode step of the embedded model spends more time dispatching its fifty-odd
 small ops per layer (norms, rotary embedding, the split softmax, casts and adds, a few
-microseconds each) than in its int4 matmuls (docs/cpu.md, Profile). Inductor compiles this layer
-into a few C++ loops around the int4 matmuls, the same arithmetic up to the order of its sums.
+microseconds each) than in its int4 matmuls (docs/cpu.md, The one-sequence decode step).
+Inductor compiles this layer into a few C++ loops around the int4 matmuls, the same arithmetic up
+to the order of its sums.
 
 Attention is the split-KV algorithm with one split per cached block and one more for the new
 token: its key and value form a split of one row (partial output: its value; log-sum-exp: its

@@ -46,7 +46,7 @@ def decode_parallel_bytes() -> int:
 
 # PyTorch's int4 matmul on its AVX2 kernels takes time almost in proportion to the rows: a float32
 # matmul of the same weights is slower at 8 rows, faster from about 16 and 2.5x faster at 128
-# (2 cores, AMD EPYC without AVX-512: docs/cpu.md, AVX2 hosts). Its AVX-512 kernels keep up with
+# (2 cores, AMD EPYC without AVX-512: docs/cpu.md, Hosts without AVX-512). Its AVX-512 kernels keep up with
 # float32 at prefill's rows.
 FLOAT_ROWS = 16
 
@@ -247,7 +247,7 @@ class CpuLlama:
 class _RmsNorm:
     """``rms_norm(x) * weight`` in a given dtype. One float32 row (a B=1 decode step) runs as
     x * rsqrt(x . x + H eps) * (w sqrt(H)): an addmm and three element-wise ops instead of
-    rms_norm's reductions and a cast (docs/cpu.md, Profile)."""
+    rms_norm's reductions and a cast (docs/log.md, CPU op trimming)."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         self.weight, self.eps = weight, eps

@@ -10,7 +10,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 
-from . import routes_openai, routes_ops, routes_tgi
+from . import routes_gateway, routes_openai, routes_ops, routes_playground, routes_tgi, routes_tokenize
 from .http_errors import install_error_handlers
 from .metrics import Metrics
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
@@ -20,7 +20,7 @@ from .sse import EVENT_MODELS
 
 log = logging.getLogger("server.app")
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health"}) | routes_playground.PATHS
 
 
 def create_app(engine=None, settings: Settings | None = None, *,
@@ -60,7 +60,10 @@ def create_app(engine=None, settings: Settings | None = None, *,
     install_error_handlers(app)
     app.include_router(routes_tgi.router)
     app.include_router(routes_openai.router)
+    app.include_router(routes_tokenize.router)
     app.include_router(routes_ops.router)
+    app.include_router(routes_gateway.router)
+    app.include_router(routes_playground.router)
 
     # Added innermost first: request context, then API key, then the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=_env("default_max_new_tokens", str(d.default_max_new_tokens)),
                    help="tokens generated when a TGI or chat request names no limit "
                         "(/v1/completions: OpenAI's 16, or this if lower)")
+    p.add_argument("--max-logprobs", type=int, default=_env("max_logprobs", str(d.max_logprobs)),
+                   help="most log-probabilities per position a request may ask for (logprobs, top_logprobs, "
+                        "prompt_logprobs; at most 20; default %(default)s)")
+    p.add_argument("--max-n", type=int, default=_env("max_n", str(d.max_n)),
+                   help="most choices per prompt a request may ask for (n; at most 16; default %(default)s)")
     p.add_argument("--log-prompts", action="store_true", default=_env("log_prompts") == "1",
                    help="debug: write prompts and generated text into the logs")
     p.add_argument("--log-level", default=_env("log_level", d.log_level),
@@ -152,6 +157,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     device=resolve_device(args.device), api_key=args.api_key or None,
                     max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     default_max_new_tokens=args.default_max_new_tokens,
+                    max_logprobs=args.max_logprobs, max_n=args.max_n,
                     log_prompts=args.log_prompts, log_level=args.log_level,
                     shutdown_timeout=args.shutdown_timeout)
 

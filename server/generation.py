@@ -47,6 +47,11 @@ async def _encode(engine, text: str, add_special_tokens: bool, shared: bool) -> 
     return await run_in_threadpool(encoder.run, work)
 
 
+async def encode_ids(engine, text: str, add_special_tokens: bool) -> list[int]:
+    """The ids of ``text`` (the tokenize route's), encoded as prompts are."""
+    return (await _encode(engine, text, add_special_tokens, True))[0]
+
+
 async def encode_text(engine, text: str, shared: bool = True) -> Prompt:
     """``shared``: see ``PromptEncoder.prepare`` (False for a request with a cache_salt)."""
     started, started_epoch = time.perf_counter(), time.time()
@@ -109,7 +114,10 @@ def sampling_params(engine, *, max_new_tokens: int, temperature: float, top_p: f
                     top_k: int | None, repetition_penalty: float | None, seed: int | None,
                     stop: tuple[str, ...], logprobs: bool, ignore_eos: bool, min_tokens: int = 0,
                     stop_token_ids: tuple[int, ...] = (), cache_salt: str | None = None,
-                    include_stop_str_in_output: bool = False) -> SamplingParams:
+                    include_stop_str_in_output: bool = False, top_logprobs: int = 0,
+                    prompt_logprobs: int | None = None, presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0,
+                    logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
     """SamplingParams with degenerate values made plain: a top_k at or past the vocabulary
     (or vLLM's -1) is no cut, a vanishing temperature is greedy."""
     top_k = top_k or 0
@@ -119,13 +127,20 @@ def sampling_params(engine, *, max_new_tokens: int, temperature: float, top_p: f
         raise ApiError(400, f"min_tokens ({min_tokens}) is more than the tokens to generate "
                             f"({max_new_tokens})", param="min_tokens")
     check_token_ids(stop_token_ids, len(engine.tokenizer), param="stop_token_ids")
+    vocab = len(engine.tokenizer)
+    bad = next((i for i, _ in logit_bias if i >= vocab), None)
+    if bad is not None:
+        raise ApiError(422, f"logit_bias names token id {bad}, outside the vocabulary (0..{vocab - 1})",
+                       param="logit_bias")
     return SamplingParams(max_new_tokens=max_new_tokens,
                           temperature=0.0 if temperature < SAMPLING_EPS else temperature,
                           top_p=1.0 if top_p is None else top_p, top_k=top_k,
                           repetition_penalty=repetition_penalty or 1.0, seed=seed, stop=stop,
                           logprobs=logprobs, ignore_eos=ignore_eos, min_tokens=min_tokens,
                           stop_token_ids=frozenset(stop_token_ids), cache_salt=cache_salt,
-                          include_stop_str_in_output=include_stop_str_in_output)
+                          include_stop_str_in_output=include_stop_str_in_output, top_logprobs=top_logprobs,
+                          prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty or 0.0,
+                          frequency_penalty=frequency_penalty or 0.0, logit_bias=logit_bias)
 
 
 def finite_or_none(x: float | None) -> float | None:
@@ -272,13 +287,15 @@ class Generation:
 
 
 def submit(services: Services, engine, request: Request, prompt: Prompt, params: SamplingParams,
-           *, endpoint: str, streaming: bool) -> Generation:
-    """Hands the request to the engine (on the event-loop thread, as the engine requires)."""
+           *, endpoint: str, streaming: bool, follows: str | None = None) -> Generation:
+    """Hands the request to the engine (on the event-loop thread, as the engine requires);
+    ``follows``: see ``EngineFrontend.add_request``."""
     metrics = services.metrics
     if services.draining:
         raise shutting_down()
     try:
-        stream = engine.add_request(prompt.ids, params, request_id=uuid.uuid4().hex)
+        extra = {"follows": follows} if follows is not None else {}
+        stream = engine.add_request(prompt.ids, params, request_id=uuid.uuid4().hex, **extra)
     except QueueFullError:
         metrics.rejected.labels(reason="queue_full").inc()
         raise

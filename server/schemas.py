@@ -132,9 +132,12 @@ class GenerateParameters(Strict):
     best_of: int | None = Field(None, description="Only 1 (or null) is supported.")
     typical_p: FiniteFloat | None = Field(None, description="Not supported; null only.")
     watermark: bool = Field(False, description="Not supported; false only.")
-    decoder_input_details: bool = Field(False, description="Not supported; false only.")
-    top_n_tokens: int | None = Field(None, description="Not supported; null or 0 only.")
-    frequency_penalty: FiniteFloat | None = Field(None, description="Not supported; null or 0 only.")
+    decoder_input_details: bool = Field(False, description="With details: the prompt's tokens with their "
+                                                           "log-probabilities in details.prefill.")
+    top_n_tokens: int | None = Field(None, description="With details (or streamed): this many likeliest tokens "
+                                                       "at each position in top_tokens, 0..20 (--max-logprobs).")
+    frequency_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0, description=(
+        "Subtracted from a token's logit once per time it was generated so far (OpenAI's definition)."))
     grammar: TgiGrammar | None = Field(None, description="Structured output: JSON under a schema or a regex.")
     adapter_id: None = Field(None, description="Not supported; null only.")
 
@@ -153,20 +156,12 @@ class GenerateParameters(Strict):
     def _watermark(cls, v):
         return require_neutral(v, (False,), "watermark")
 
-    @field_validator("decoder_input_details")
-    @classmethod
-    def _decoder_input_details(cls, v):
-        return require_neutral(v, (False,), "decoder_input_details")
-
     @field_validator("top_n_tokens")
     @classmethod
     def _top_n_tokens(cls, v):
-        return require_neutral(v, (None, 0), "top_n_tokens")
-
-    @field_validator("frequency_penalty")
-    @classmethod
-    def _frequency_penalty(cls, v):
-        return require_neutral(v, (None, 0, 0.0), "frequency_penalty (use repetition_penalty)")
+        if v is not None and not 0 <= v <= 20:
+            raise ValueError(f"top_n_tokens {v} is outside 0..20")
+        return v
 
     def wants_sampling(self) -> bool:
         if self.do_sample is not None:
@@ -197,13 +192,21 @@ class Token(BaseModel):
     special: bool
 
 
+class PrefillToken(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+
+
 class Details(BaseModel):
     finish_reason: Literal["length", "eos_token", "stop_sequence", "abort", "error"]
     generated_tokens: int
     seed: int | None
     cached_tokens: int = Field(0, description="Prompt tokens whose KV came from the prefix cache.")
-    prefill: list[Token] = []
+    prefill: list[PrefillToken] = Field([], description="With decoder_input_details: the prompt's tokens.")
     tokens: list[Token]
+    top_tokens: list[list[Token]] | None = Field(None, description="With top_n_tokens: per generated token, "
+                                                                   "the likeliest ones.")
 
 
 class GenerateResponse(BaseModel):
@@ -225,7 +228,7 @@ class StreamResponse(BaseModel):
     token: Token
     generated_text: str | None = None
     details: StreamDetails | None = None
-    top_tokens: None = None
+    top_tokens: list[Token] | None = None
 
 
 class Info(BaseModel):

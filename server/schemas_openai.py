@@ -10,12 +10,29 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from .schemas import (MAX_STOP_SEQUENCES, ChatMessage, FiniteFloat, Lenient, NonEmptyText, StopSequence, Strict,
-                      Text, TextPart, require_neutral)
+from .schemas import (MAX_STOP_SEQUENCES, ChatMessage, FiniteFloat, Lenient, NonEmptyText, StopSequence, Text,
+                      TextPart)
 from .schemas_structured import GuidedFields, ResponseFormat, ToolCall, ToolChoice, ToolDefinition
 
 TokenId = Annotated[int, Field(ge=0)]
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16                   # choices per prompt
+MAX_LOGPROBS = 20            # top log-probabilities per position (vLLM's default --max-logprobs)
+MAX_LOGIT_BIAS = 100.0
+MAX_PROMPTS = 256            # prompts in one /v1/completions request
+
+
+def within(name: str, value: int | None, low: int, high: int) -> int | None:
+    """``value`` if None or in low..high; else a ValueError naming the field, the value and the range."""
+    if value is not None and not low <= value <= high:
+        raise ValueError(f"{name} {value} is outside {low}..{high}")
+    return value
+
+
+def logprob_count(name: str):
+    def check(cls, v):
+        return within(name, v, 0, MAX_LOGPROBS)
+    return field_validator(name)(classmethod(check))
 
 
 class StreamOptions(Lenient):
@@ -28,15 +45,18 @@ class SamplingFields(Lenient):
     model: Text = Field(description="The id listed by GET /v1/models.")
     temperature: FiniteFloat | None = Field(None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
     top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, description="Only 1 is supported.")
+    n: int | None = Field(None, description="Choices to generate (default 1); the prompt is "
+                                                          "computed once and its cache shared by all of them.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopSequence | list[StopSequence] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: FiniteFloat | None = Field(None, description="Only 0 is supported.")
-    frequency_penalty: FiniteFloat | None = Field(None, description="Only 0 is supported; "
-                                                                    "see repetition_penalty.")
-    logit_bias: dict[str, float] | None = Field(None, description="Only an empty map is supported.")
+    presence_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0, description=(
+        "Subtracted from the logit of every token generated so far (OpenAI's definition)."))
+    frequency_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0, description=(
+        "Subtracted from a token's logit once per time it was generated so far."))
+    logit_bias: dict[str, FiniteFloat] | None = Field(None, description=(
+        "Token id (as a string) -> a bias from -100 to 100 added to its logit before sampling."))
     user: Text | None = Field(None, description="Accepted and ignored.")
     # Extensions in vLLM's spelling.
     top_k: int | None = Field(None, ge=-1, description="0 or -1 turn the top-k cut off.")
@@ -57,19 +77,24 @@ class SamplingFields(Lenient):
     @field_validator("n")
     @classmethod
     def _n(cls, v):
-        return require_neutral(v, (None, 1), "n other than 1")
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalties(cls, v):
-        return require_neutral(v, (None, 0, 0.0), "a non-zero presence/frequency penalty")
+        return within("n", v, 1, MAX_N)
 
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported by this server")
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias key {key!r} is not a token id (a non-negative integer)")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias of token {key} is {bias}, outside -{MAX_LOGIT_BIAS:g}.."
+                                 f"{MAX_LOGIT_BIAS:g}")
         return v
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items() if b)
+
+    def choices(self) -> int:
+        return self.n or 1
 
     @field_validator("stop")
     @classmethod
@@ -93,37 +118,48 @@ class SamplingFields(Lenient):
 
 class CompletionRequest(SamplingFields, GuidedFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] = Field(
-        description="One prompt: a string or a list of token ids (a one-element list of either "
-                    "is accepted too).")
-    max_tokens: int | None = Field(None, ge=1, description="Default 16, as OpenAI's.")
-    echo: bool = Field(False, description="Prepend the prompt to the returned text.")
-    logprobs: int | None = Field(None, ge=0, le=5, description=(
-        "Return the log probability of each generated token. Only the sampled token is "
-        "reported in top_logprobs, whatever the number asked for."))
-    best_of: int | None = Field(None, description="Only 1 is supported.")
+        description=f"A string, a list of token ids, or a list of up to {MAX_PROMPTS} of either: one "
+                    "choice per prompt (times n), indexed prompt by prompt.")
+    max_tokens: int | None = Field(None, ge=0, description="Default 16, as OpenAI's; 0 generates nothing "
+                                                           "(with echo: the prompt and its log-probabilities).")
+    echo: bool = Field(False, description="Prepend the prompt to the returned text (and, with logprobs, its "
+                                          "tokens' log-probabilities, the first null).")
+    logprobs: int | None = Field(None, description=(
+        "The log-probability of each token and of this many likeliest tokens at each position, from the "
+        "model's distribution (before temperature, penalties and bias). Capped by the server's "
+        "--max-logprobs."))
+    prompt_logprobs: int | None = Field(None, description=(
+        "vLLM's extension: the prompt tokens' log-probabilities, with this many likeliest at each position."))
+    best_of: int | None = Field(None, description="Only 1: vLLM V1 dropped best_of; ask for n choices and "
+                                                  "pick by their logprobs instead.")
     suffix: None = Field(None, description="Not supported; null only.")
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("the prompt is empty")
-            return v
-        if not v:
+    def _prompts(cls, v):
+        prompts = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
+        if not prompts:
             raise ValueError("the prompt is empty")
-        if isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            if not v[0]:
-                raise ValueError("the prompt is empty")
-            return v[0]
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"{len(prompts)} prompts in one request, over the limit of {MAX_PROMPTS}")
+        if any(not p for p in prompts):
+            raise ValueError("the prompt is empty")
         return v
+
+    def prompt_list(self) -> list[str | list[int]]:
+        v = self.prompt
+        return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
+
+    _logprobs = logprob_count("logprobs")
+    _prompt_logprobs = logprob_count("prompt_logprobs")
 
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, v):
-        return require_neutral(v, (None, 1), "best_of other than 1")
+        if v not in (None, 1):
+            raise ValueError(f"best_of {v} is not supported: vLLM V1 dropped best_of too; ask for n={v} "
+                             "choices with logprobs and pick among them")
+        return v
 
 
 class OpenAIChatMessage(ChatMessage, Lenient):
@@ -150,16 +186,18 @@ class ChatCompletionRequest(SamplingFields, GuidedFields):
                                                            "max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, description="Only 0 is supported.")
+    top_logprobs: int | None = Field(None, description=(
+        "With logprobs: also the this many likeliest tokens at each position, from the model's distribution "
+        "(before temperature, penalties and bias). Capped by the server's --max-logprobs."))
+    prompt_logprobs: int | None = Field(None, description=(
+        "vLLM's extension: the prompt tokens' log-probabilities, with this many likeliest at each position."))
     response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = Field(None, description="Functions the model may call.")
     tool_choice: ToolChoice | None = Field(None, description="Default 'auto' with tools, 'none' without.")
     parallel_tool_calls: bool | None = Field(None, description="Default true: several calls in one answer.")
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, v):
-        return require_neutral(v, (None, 0), "top_logprobs above 0")
+    _top_logprobs = logprob_count("top_logprobs")
+    _prompt_logprobs = logprob_count("prompt_logprobs")
 
     @model_validator(mode="after")
     def _one_limit(self):
@@ -186,8 +224,11 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float | None]]
+    top_logprobs: list[dict[str, float | None] | None]
     text_offset: list[int]
+
+
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -195,6 +236,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=(
+        "With prompt_logprobs (vLLM): None, then per prompt position token id -> logprob, rank, decoded_token."))
 
 
 class CompletionResponse(BaseModel):
@@ -206,11 +249,17 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None
+
+
 class ChatTokenLogprob(BaseModel):
     token: str
     logprob: float | None
-    bytes: list[int]
-    top_logprobs: list[Any] = []
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob] = []
 
 
 class ChatChoiceLogprobs(BaseModel):
@@ -237,6 +286,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="With prompt_logprobs, as in completions.")
 
 
 class ModelCard(BaseModel):

@@ -64,7 +64,14 @@ def test_unknown_fields_are_ignored_with_one_warning_per_request(path, base, cap
     ({"skip_special_tokens": "sometimes"}, "skip_special_tokens"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": "sometimes"}}, "stream_options.continuous_usage_stats"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"best_of": 2}, "best_of"),
 ])
 def test_known_fields_with_bad_values_are_still_refused(extra, field):
     with client_for() as client:

@@ -40,7 +40,9 @@ if want build; then
 fi
 want kernel && for name in before after; do
   stamp "kernel benchmark, $name"
-  in_tree $name timeout 300 python3 -m kernels.bench --out "$OUT/kernel_$name" --repeat 3 \
+  # the kernel benchmark moved from kernels/bench.py to benchmarks/kernel_bench.py
+  bench=benchmarks.kernel_bench; [ "$name" = before ] && [ ! -f "$BEFORE/benchmarks/kernel_bench.py" ] && bench=kernels.bench
+  in_tree $name timeout 300 python3 -m $bench --out "$OUT/kernel_$name" --repeat 3 \
       > "$OUT/kernel_$name.log" 2>&1 || echo "kernel benchmark of $name failed (see kernel_$name.log)"
 done
 # ENGINE_MODELS: model@batches entries, each run by both trees in every round (the --hf column

@@ -18,7 +18,7 @@ if [ "${1:-}" = peers ]; then
       log="$OUT/ncu_${1//\//_}_b$2_m$3${who:+_cudnn}.txt"
       timeout 150 "$ncu" --clock-control none --profile-from-start off --launch-skip 6 --launch-count 2 \
           --section LaunchStats --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
-          python3 -m kernels.profile_case --shape "$1" --batch "$2" --seq-len "$3" --calls 12 $who > "$log" 2>&1
+          python3 -m benchmarks.profile_case --shape "$1" --batch "$2" --seq-len "$3" --calls 12 $who > "$log" 2>&1
       echo "== $c $who (rc $?)"
       grep -E "^  [a-zA-Z_].*\(|Duration|Grid Size|Block Size|Registers Per|Dynamic Shared|Static Shared|Waves Per SM|DRAM Throughput|Achieved Occupancy|Theoretical Occ|Mem Busy|==ERROR==" "$log" \
           | cut -c1-150 | head -40
@@ -33,7 +33,7 @@ for c in "9/3/64 8 4096" "9/3/64 1 32768" "32/8/128 8 4096" "9/3/64 64 4096"; do
   timeout 120 "$ncu" --clock-control none --kernel-name regex:split_kernel --launch-skip 6 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
       --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-      python3 -m kernels.profile_case --shape "$1" --batch "$2" --seq-len "$3" > "$log" 2>&1
+      python3 -m benchmarks.profile_case --shape "$1" --batch "$2" --seq-len "$3" > "$log" 2>&1
   echo "== $c (rc $?)"
   grep -E "Duration|stalled|Warp Cycles Per Issued|Issued Warp|No Eligible|Achieved Active Warps|DRAM Throughput|==ERROR==" "$log" \
       | awk '!/stalled/ || $NF+0 >= 0.05' | head -30

@@ -11,11 +11,11 @@
 # HTTP_WORKER_COUNTS="1 4" runs the HTTP load test once per API worker count (default: the server's auto).
 # (Not API_WORKERS: the server reads that one itself.) LOADGEN_WORKERS: client processes (default 8;
 # at 256 streams 4 of them ran at about 90 % CPU each and set the pace).
-# GPU_TESTS narrows the tests stage (pytest paths); KERNEL_BENCH_ARGS go to kernels.bench (both stages).
+# GPU_TESTS narrows the tests stage (pytest paths); KERNEL_BENCH_ARGS go to benchmarks.kernel_bench (both stages).
 # fp8: the fp8 KV cache's GPU tests, its accuracy on the real SmolLM2 weights, the kernel grid with
 # an fp8 column and the engine's decode step alone with either cache.
 # With no stage named, all run. On a host without the web stack, wheels in .whl/ are installed
-# first (see the README's GPU section).
+# first.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-results/gpu}
@@ -48,11 +48,11 @@ if want profile; then
 fi
 if want kernel-bench; then
   stamp "kernel benchmark"
-  timeout 420 python3 -m kernels.bench --out "$OUT" ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/kernel_bench.log" | tail -40
+  timeout 420 python3 -m benchmarks.kernel_bench --out "$OUT" ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/kernel_bench.log" | tail -40
 fi
 if want layer-bench; then
   stamp "projection benchmark"
-  timeout 200 python3 -m kernels.bench_layer_ops --out "$OUT" 2>&1 | tee "$OUT/layer_bench.log" | tail -40
+  timeout 200 python3 -m benchmarks.layer_ops_bench --out "$OUT" 2>&1 | tee "$OUT/layer_bench.log" | tail -40
 fi
 if want engine-bench; then
   stamp "engine benchmark"
@@ -100,7 +100,7 @@ if want window; then
       -k "window or 256 or head-dim" -p no:cacheprovider -rs 2>&1 | tee "$OUT/window_tests.log" | tail -25
   summary+=("window tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/window_tests.log" | tail -1)")
   stamp "window: kernel rows (4/1/256 beside cuDNN; window 512 against unwindowed)"
-  timeout 300 python3 -m kernels.bench --out "$OUT/window" --shapes 4/1/256 9/3/64 --batches 1 8 64 \
+  timeout 300 python3 -m benchmarks.kernel_bench --out "$OUT/window" --shapes 4/1/256 9/3/64 --batches 1 8 64 \
       --lengths 4096 32768 --window 512 2>&1 | tee "$OUT/window_bench.log" | tail -30
   summary+=("window bench ($OUT/window/bench.json):" "$(grep '^|' "$OUT/window_bench.log")")
 fi
@@ -128,7 +128,7 @@ if want fp8; then
   summary+=("fp8 accuracy: $(grep -E 'agreement' "$OUT/fp8_accuracy.log" | tail -1) /$(grep -E 'mean KL' "$OUT/fp8_accuracy.log" | tail -1) /$(grep -E 'targets' "$OUT/fp8_accuracy.log" | tail -1)")
   stamp "fp8 KV cache: kernel grid, ours fp8 vs ours bf16 vs cuDNN bf16"
   mkdir -p "$OUT/fp8_kernel"
-  timeout 480 python3 -m kernels.bench --fp8 --peers cudnn --out "$OUT/fp8_kernel" ${KERNEL_BENCH_ARGS:-} 2>&1 \
+  timeout 480 python3 -m benchmarks.kernel_bench --fp8 --peers cudnn --out "$OUT/fp8_kernel" ${KERNEL_BENCH_ARGS:-} 2>&1 \
       | tee "$OUT/fp8_kernel_bench.log" | tail -36
   while read -r line; do summary+=("fp8 kernel: $line"); done < <(grep -E '^(min|geomean) fp8' "$OUT/fp8_kernel_bench.log")
   stamp "fp8 KV cache: engine decode step alone, bf16 vs fp8 cache"

@@ -12,7 +12,7 @@
 
 # The servers on one half of the CPUs, the clients on the other: whichever server is loaded gets
 # the same cores. Unpinned, two instances of one server differed by 10-15 %, the sign changing
-# from run to run (docs/prefix-caching.md). Empty: no pinning.
+# from run to run (docs/log.md, 2026-12-04). Empty: no pinning.
 cpus=$(nproc)
 if [ "$cpus" -ge 8 ] && command -v taskset > /dev/null; then
   SERVER_CPUS=${SERVER_CPUS-0-$((cpus / 2 - 1))}
