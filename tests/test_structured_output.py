@@ -378,3 +378,15 @@ def test_embedded_model_follows_every_schema():
         check_json_outputs(engine, results, all_schemas, cut_allowed=0)
     finally:
         engine.shutdown()
+
+
+def test_every_choice_of_n_follows_the_schema(client):
+    r = client.post("/v1/chat/completions", json={
+        "model": client.model_name, "messages": [{"role": "user", "content": "Who?"}], "max_tokens": 200, "n": 3,
+        "seed": 2, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    for choice in choices:
+        assert choice["finish_reason"] == "stop"
+        validate(PERSON, choice["message"]["content"])
