@@ -1,4 +1,6 @@
 # Both targets set up the virtual environment on first use and reuse it after.
+# HOST, PORT and MODEL are this file's variables for `make run`, passed to the server as flags
+# (`MODEL=random:tiny make run`); the server itself reads only FLASHDECODE_* variables.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -51,9 +53,14 @@ test: $(STAMP) browser
 docker-test: $(STAMP)
 	PYTHON=$(PY) docker/ci.sh $(DOCKER_TEST_ARGS)
 
-$(LLAMA_STAMP):
+# Built with the instruction sets /proc/cpuinfo lists, not -march=native (GGML_NATIVE), which also
+# takes AMX where the CPU reports it and the kernel has not enabled it: SIGILL at the first matmul.
+# --no-cache-dir and --force-reinstall: a wheel built earlier for other flags is not reused.
+$(LLAMA_STAMP): load_tests/llama_cpp_flags.py
 	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMA_VENV)/bin/pip install -q --no-binary llama-cpp-python "$(LLAMA_CPP_SPEC)"
+	flags="$$($(PYTHON) load_tests/llama_cpp_flags.py)" && echo "llama.cpp: CMAKE_ARGS=$$flags" && \
+	CMAKE_ARGS="$$flags" $(LLAMA_VENV)/bin/pip install -q --no-cache-dir --force-reinstall \
+		--no-binary llama-cpp-python "$(LLAMA_CPP_SPEC)"
 	touch $(LLAMA_STAMP)
 
 # Ours (quantised and float weights), transformers' generate and, with LLAMA_CPP=1, llama.cpp.

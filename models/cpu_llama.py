@@ -103,9 +103,8 @@ class CpuLlama:
         self.parallel_bytes = decode_parallel_bytes()
         self.threads = ThreadChooser(torch.get_num_threads())
         # A one-sequence decode step runs compiled layers (models.cpu_decode) where every projection
-        # is int4, on the thread count its layers take when the chooser keeps every thread (inductor
-        # compiles for one count; on one thread, the chooser's fallback, they run eagerly).
-        # warm_up() compiles them, or turns them off where compiling fails.
+        # is int4, in either thread mode (compiled for the all-threads count, run on one in the
+        # one-thread mode). warm_up() compiles them, or turns them off where compiling fails.
         self.compiled = all(isinstance(lin, Int4Linear) for layer in self.layers for lin in layer[1:3] + layer[4:])
         self.compiled_threads = self._layer_threads(ALL_THREADS)
 
@@ -131,9 +130,12 @@ class CpuLlama:
         started = time.perf_counter()
         torch.set_num_threads(1)
         try:
-            if self._layer_threads(mode) == self.compiled_threads and self._runs_compiled(input_ids, batch):
+            # The compiled layers run in either mode: their parallel loops split independent outputs
+            # only, so they compute the same on one thread as on all, while eager layers do not
+            # compute what they do (the same request's tokens changed with the mode: docs/cpu.md).
+            if self._runs_compiled(input_ids, batch):
                 logits = self._decode_one(input_ids, positions, batch, logits_rows,
-                                          matmul if mode == ALL_THREADS else _call, self.compiled_threads)
+                                          matmul if mode == ALL_THREADS else _call, self._layer_threads(mode))
             else:
                 logits = self._forward(input_ids, positions, batch, logits_rows,
                                        matmul if mode == ALL_THREADS else _call)

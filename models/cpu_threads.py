@@ -31,9 +31,13 @@ class ThreadChooser:
     MIN_INTERVAL = 16
     MAX_INTERVAL = 1024
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, pinned: str | None = None):
+        """``pinned``: every decode step in that mode, none timed (tests; a host known to be shared)."""
+        if pinned not in (None, ALL_THREADS, ONE_THREAD):
+            raise ValueError(f"pinned {pinned!r} is not one of {ALL_THREADS!r}, {ONE_THREAD!r} or None")
         self.threads = threads
-        self.mode = ALL_THREADS
+        self.pinned = pinned
+        self.mode = pinned or ALL_THREADS
         self.interval = self.PROBE_STEPS          # the first comparison right after the first steps
         self._since_probe = 0
         self._recent: list[tuple[int, float]] = []   # (batch, seconds) of the last steps in self.mode
@@ -52,6 +56,8 @@ class ThreadChooser:
 
     def choose(self, batch: int) -> str:
         """The mode of the next decode step of ``batch`` sequences."""
+        if self.pinned is not None:
+            return self.pinned
         if self._probe_batch is not None and batch != self._probe_batch:
             self._probe_batch = None                  # the batch changed mid-probe: times no longer compare
             self._since_probe = 0
@@ -62,6 +68,8 @@ class ThreadChooser:
 
     def record(self, mode: str, batch: int, seconds: float) -> None:
         """A decode step of ``batch`` sequences that ran in ``mode`` took ``seconds``."""
+        if self.pinned is not None:
+            return
         if mode == self.mode:
             self._recent = (self._recent + [(batch, seconds)])[-self.PROBE_STEPS:]
             self._since_probe += 1

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
@@ -21,6 +22,7 @@ from .sse import EVENT_MODELS
 log = logging.getLogger("server.app")
 
 OPEN_PATHS = frozenset({"/health"}) | routes_playground.PATHS
+DOCS_STATIC_URL = "/docs/static"
 
 
 def create_app(engine=None, settings: Settings | None = None, *,
@@ -54,8 +56,10 @@ def create_app(engine=None, settings: Settings | None = None, *,
             if running is not None:
                 await run_in_threadpool(running.shutdown)
 
-    app = FastAPI(title="flashdecode server", version="0.1.0", lifespan=lifespan,
-                  description="LLM text generation with TGI-style and OpenAI-compatible APIs.")
+    # /docs and /redoc from the package's own copies of Swagger UI and ReDoc: no CDN, so they work offline
+    app = FastAPIOffline(title="flashdecode server", version="0.1.0", lifespan=lifespan,
+                         description="LLM text generation with TGI-style and OpenAI-compatible APIs.",
+                         static_url=DOCS_STATIC_URL)
     app.state.services = services
     install_error_handlers(app)
     app.include_router(routes_tgi.router)

@@ -96,14 +96,14 @@ def resolve_max_new_tokens(requested: int | None, prompt_len: int, max_model_len
     prompt_limit = min(max_prompt_tokens or max_model_len - 1, max_model_len - 1)
     if prompt_len > prompt_limit:
         raise ApiError(400, f"the prompt has {prompt_len} tokens, over the limit of {prompt_limit} "
-                            f"(context length {max_model_len})", param="inputs")
+                            f"(context length {max_model_len})", param="inputs", reason="too_long")
     room = max_model_len - prompt_len
     if requested is None:
         return min(default, room)
     if requested > room:
         raise ApiError(400, f"the prompt ({prompt_len} tokens) plus {param} ({requested}) is "
                             f"{prompt_len + requested} tokens, over the context length of "
-                            f"{max_model_len} tokens", param=param)
+                            f"{max_model_len} tokens", param=param, reason="too_long")
     return requested
 
 
@@ -300,7 +300,6 @@ def submit(services: Services, engine, request: Request, prompt: Prompt, params:
         metrics.rejected.labels(reason="queue_full").inc()
         raise
     except ValueError as exc:
-        metrics.rejected.labels(reason="invalid").inc()
         raise ApiError(400, str(exc)) from exc
     return Generation(services, engine, stream, request_id=request.state.request_id,
                       endpoint=endpoint, prompt=prompt, params=params, streaming=streaming,
@@ -309,9 +308,5 @@ def submit(services: Services, engine, request: Request, prompt: Prompt, params:
 
 def plan_max_new_tokens(services: Services, engine, prompt: Prompt, requested: int | None,
                         default: int, param: str) -> int:
-    try:
-        return resolve_max_new_tokens(requested, len(prompt.ids), engine.max_model_len, default,
-                                      param, services.settings.max_prompt_tokens)
-    except ApiError:
-        services.metrics.rejected.labels(reason="too_long").inc()
-        raise
+    return resolve_max_new_tokens(requested, len(prompt.ids), engine.max_model_len, default,
+                                  param, services.settings.max_prompt_tokens)

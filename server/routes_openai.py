@@ -12,7 +12,7 @@ from .generation import (ClientGone, Generation, Prompt, check_token_ids, decode
                          encode_text, plan_max_new_tokens, sampling_params)
 from .openai_logprobs import (chat_logprobs, completion_logprobs, echo_logprobs, joined,
                               vllm_prompt_logprobs)
-from .http_errors import ApiError, ended_by_shutdown, error_body
+from .http_errors import ApiError, ended_by_shutdown, error_body, require_json_body
 from .schemas import OpenAIErrorResponse, ignored_fields
 from .schemas_openai import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              CompletionChunk, CompletionRequest, CompletionResponse, ModelCard, ModelList,
@@ -24,11 +24,11 @@ from .token_text import token_strings
 from .tools import ToolCallStream, parse_tool_calls, plan_tools, template_messages
 
 log = logging.getLogger("server.openai")
-router = APIRouter(prefix="/v1", tags=["OpenAI"])
+router = APIRouter(prefix="/v1", tags=["OpenAI"], dependencies=[Depends(require_json_body)])
 
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort", "error": "error"}
 CALLS_FINISH = ("eos", "stop")          # reasons that become "tool_calls" when the output made calls
-ERRORS = {status: {"model": OpenAIErrorResponse} for status in (400, 401, 404, 413, 422, 429, 500, 503)}
+ERRORS = {status: {"model": OpenAIErrorResponse} for status in (400, 401, 404, 413, 415, 422, 429, 500, 503)}
 
 
 def streaming(chunk_model) -> dict:
@@ -42,9 +42,14 @@ def served_names(engine, services: Services) -> set[str]:
     return {engine.model_name, services.settings.model}
 
 
+MODEL_NAME_SHOWN = 100     # characters of an unknown model name quoted back in the 404
+
+
 def check_model(name: str, engine, services: Services) -> None:
     if name not in served_names(engine, services):
-        raise ApiError(404, f"the model `{name}` does not exist; this server serves "
+        shown = name if len(name) <= MODEL_NAME_SHOWN else \
+            f"{name[:MODEL_NAME_SHOWN]}... ({len(name)} characters)"
+        raise ApiError(404, f"the model `{shown}` does not exist; this server serves "
                             f"`{engine.model_name}`", param="model")
 
 
@@ -285,6 +290,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
     check_model(body.model, engine, services)
     warn_ignored(body, request)
     check_server_limits(services, n=body.n, top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs)
+    if body.token_limits_differ():
+        raise ApiError(400, f"give max_completion_tokens or max_tokens, not two different values "
+                            f"({body.max_completion_tokens} and {body.max_tokens})", param="max_completion_tokens")
+    empty = next((i for i, m in enumerate(body.messages) if m.lacks_content()), None)
+    if empty is not None:
+        raise ApiError(400, f"messages[{empty}] has no content (null only for an assistant message with "
+                            "tool_calls)", param=f"messages.{empty}.content")
     try:
         tools = plan_tools(body, engine.tokenizer)
     except ValueError as exc:

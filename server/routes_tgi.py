@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from .engine.params import FinishEvent, SamplingParams, TokenEvent
 from .generation import (SAMPLING_EPS, ClientGone, Generation, Prompt, encode_chat, encode_text,
                          finite_or_none, plan_max_new_tokens, sampling_params, submit)
-from .http_errors import ApiError, ended_by_shutdown
+from .http_errors import ApiError, ended_by_shutdown, require_json_body
 from .schemas import (MAX_STOP_SEQUENCES, ErrorResponse, GenerateParameters, GenerateRequest,
                       GenerateResponse, Info, StreamResponse, chat_template_messages)
 from .services import Services, get_services, ready_engine
@@ -20,11 +20,11 @@ from .structured import constrain, tgi_grammar
 from .token_text import token_strings
 
 log = logging.getLogger("server.tgi")
-router = APIRouter(tags=["TGI"])
+router = APIRouter(tags=["TGI"], dependencies=[Depends(require_json_body)])
 
 FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequence",
                   "abort": "abort", "error": "error"}
-ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 422, 429, 500, 503)}
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 422, 429, 500, 503)}
 # The token events, the last with generated_text and details, or an error event instead of it.
 STREAM_DOC = event_stream_doc(StreamResponse, ErrorResponse)
 

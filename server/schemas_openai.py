@@ -11,15 +11,16 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from .schemas import (MAX_STOP_SEQUENCES, ChatMessage, FiniteFloat, Lenient, NonEmptyText, StopSequence, Text,
-                      TextPart)
+                      TextPart, integer, only)
 from .schemas_structured import GuidedFields, ResponseFormat, ToolCall, ToolChoice, ToolDefinition
 
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = integer(ge=0)
 MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16                   # choices per prompt
 MAX_LOGPROBS = 20            # top log-probabilities per position (vLLM's default --max-logprobs)
 MAX_LOGIT_BIAS = 100.0
 MAX_PROMPTS = 256            # prompts in one /v1/completions request
+LOGPROB_BOUNDS = {"minimum": 0, "maximum": MAX_LOGPROBS}
 
 
 def within(name: str, value: int | None, low: int, high: int) -> int | None:
@@ -34,6 +35,14 @@ def logprob_count(name: str):
         return within(name, v, 0, MAX_LOGPROBS)
     return field_validator(name)(classmethod(check))
 
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# What CompletionRequest._prompts accepts, for the document: a non-empty prompt, or a batch of them.
+PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
+    _TOKEN_IDS,
+    {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": MAX_PROMPTS}]}
+
 
 class StreamOptions(Lenient):
     include_usage: bool = Field(False, description="Send a last chunk with token usage before [DONE].")
@@ -45,24 +54,27 @@ class SamplingFields(Lenient):
     model: Text = Field(description="The id listed by GET /v1/models.")
     temperature: FiniteFloat | None = Field(None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
     top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, description="Choices to generate (default 1); the prompt is "
-                                                          "computed once and its cache shared by all of them.")
+    n: integer() | None = Field(None, description="Choices to generate (default 1); the prompt is "
+                                                   "computed once and its cache shared by all of them.",
+                                json_schema_extra={"minimum": 1, "maximum": MAX_N})
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: StopSequence | list[StopSequence] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: StopSequence | Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    seed: integer(ge=0, lt=2**63) | None = Field(None)
     presence_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0, description=(
         "Subtracted from the logit of every token generated so far (OpenAI's definition)."))
     frequency_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0, description=(
         "Subtracted from a token's logit once per time it was generated so far."))
     logit_bias: dict[str, FiniteFloat] | None = Field(None, description=(
-        "Token id (as a string) -> a bias from -100 to 100 added to its logit before sampling."))
+        "Token id (as a string) -> a bias from -100 to 100 added to its logit before sampling."),
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"},
+                           "additionalProperties": {"minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}})
     user: Text | None = Field(None, description="Accepted and ignored.")
     # Extensions in vLLM's spelling.
-    top_k: int | None = Field(None, ge=-1, description="0 or -1 turn the top-k cut off.")
+    top_k: integer(ge=-1) | None = Field(None, description="0 or -1 turn the top-k cut off.")
     repetition_penalty: FiniteFloat | None = Field(None, ge=0.01, le=10.0)
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
-    min_tokens: int = Field(0, ge=0, description="Neither the end-of-sequence token, stop_token_ids nor stop "
+    min_tokens: integer(ge=0) = Field(0, description="Neither the end-of-sequence token, stop_token_ids nor stop "
                                                  "strings end the generation before this many tokens.")
     include_stop_str_in_output: bool = Field(False, description="true: the text ends after the stop string "
                                                                  "that ended it, not before.")
@@ -96,13 +108,6 @@ class SamplingFields(Lenient):
     def choices(self) -> int:
         return self.n or 1
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        if isinstance(v, list) and len(v) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
-        return v
-
     def stop_tuple(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -119,18 +124,19 @@ class SamplingFields(Lenient):
 class CompletionRequest(SamplingFields, GuidedFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] = Field(
         description=f"A string, a list of token ids, or a list of up to {MAX_PROMPTS} of either: one "
-                    "choice per prompt (times n), indexed prompt by prompt.")
-    max_tokens: int | None = Field(None, ge=0, description="Default 16, as OpenAI's; 0 generates nothing "
+                    "choice per prompt (times n), indexed prompt by prompt.",
+        json_schema_extra=lambda schema: schema.update(PROMPT_SCHEMA))
+    max_tokens: integer(ge=0) | None = Field(None, description="Default 16, as OpenAI's; 0 generates nothing "
                                                            "(with echo: the prompt and its log-probabilities).")
     echo: bool = Field(False, description="Prepend the prompt to the returned text (and, with logprobs, its "
                                           "tokens' log-probabilities, the first null).")
-    logprobs: int | None = Field(None, description=(
+    logprobs: integer() | None = Field(None, json_schema_extra=LOGPROB_BOUNDS, description=(
         "The log-probability of each token and of this many likeliest tokens at each position, from the "
         "model's distribution (before temperature, penalties and bias). Capped by the server's "
         "--max-logprobs."))
-    prompt_logprobs: int | None = Field(None, description=(
+    prompt_logprobs: integer() | None = Field(None, json_schema_extra=LOGPROB_BOUNDS, description=(
         "vLLM's extension: the prompt tokens' log-probabilities, with this many likeliest at each position."))
-    best_of: int | None = Field(None, description="Only 1: vLLM V1 dropped best_of; ask for n choices and "
+    best_of: integer() | None = only(1, None, description="Only 1: vLLM V1 dropped best_of; ask for n choices and "
                                                   "pick by their logprobs instead.")
     suffix: None = Field(None, description="Not supported; null only.")
 
@@ -173,23 +179,22 @@ class OpenAIChatMessage(ChatMessage, Lenient):
     def text(self) -> str:
         return "" if self.content is None else super().text()
 
-    @model_validator(mode="after")
-    def _content_or_calls(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (null only for an assistant message with tool_calls)")
-        return self
+    def lacks_content(self) -> bool:
+        """No content, and not an assistant message with tool_calls (a rule the document cannot
+        state: the route answers 400)."""
+        return self.content is None and not (self.role == "assistant" and self.tool_calls)
 
 
 class ChatCompletionRequest(SamplingFields, GuidedFields):
     messages: list[OpenAIChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated OpenAI name of "
+    max_tokens: integer(ge=1) | None = Field(None, description="Deprecated OpenAI name of "
                                                            "max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: integer(ge=1) | None = Field(None)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, description=(
+    top_logprobs: integer() | None = Field(None, json_schema_extra=LOGPROB_BOUNDS, description=(
         "With logprobs: also the this many likeliest tokens at each position, from the model's distribution "
         "(before temperature, penalties and bias). Capped by the server's --max-logprobs."))
-    prompt_logprobs: int | None = Field(None, description=(
+    prompt_logprobs: integer() | None = Field(None, json_schema_extra=LOGPROB_BOUNDS, description=(
         "vLLM's extension: the prompt tokens' log-probabilities, with this many likeliest at each position."))
     response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = Field(None, description="Functions the model may call.")
@@ -199,12 +204,10 @@ class ChatCompletionRequest(SamplingFields, GuidedFields):
     _top_logprobs = logprob_count("top_logprobs")
     _prompt_logprobs = logprob_count("prompt_logprobs")
 
-    @model_validator(mode="after")
-    def _one_limit(self):
-        if (self.max_tokens is not None and self.max_completion_tokens is not None
-                and self.max_tokens != self.max_completion_tokens):
-            raise ValueError("give max_completion_tokens or max_tokens, not two different values")
-        return self
+    def token_limits_differ(self) -> bool:
+        """Both limits given, different (a rule the document cannot state: the route answers 400)."""
+        return (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

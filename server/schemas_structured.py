@@ -2,9 +2,9 @@
 tool_choice, vLLM's structured_outputs (and its older guided_* fields). TGI's grammar is in
 schemas.py with the rest of TGI's parameters."""
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from .schemas import Lenient, NonEmptyText, Strict, Text
 
@@ -20,17 +20,20 @@ class JsonSchemaFormat(Lenient):
     strict: bool | None = Field(None, description="Accepted; the output always follows the schema.")
 
 
-class ResponseFormat(Strict):
-    type: Literal["text", "json_object", "json_schema"] = Field(
-        description="text: unconstrained; json_object: any JSON object; json_schema: JSON valid under "
-                    "json_schema.schema.")
-    json_schema: JsonSchemaFormat | None = None
+class TextFormat(Strict):
+    type: Literal["text"] = Field(description="Unconstrained text.")
 
-    @model_validator(mode="after")
-    def _schema_with_its_type(self):
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is given exactly when type is 'json_schema'")
-        return self
+
+class JsonObjectFormat(Strict):
+    type: Literal["json_object"] = Field(description="Any JSON object.")
+
+
+class JsonSchemaResponseFormat(Strict):
+    type: Literal["json_schema"] = Field(description="JSON valid under json_schema.schema.")
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
 
 
 class StructuredOutputs(Lenient):
@@ -45,14 +48,12 @@ class StructuredOutputs(Lenient):
     disable_any_whitespace: bool | None = Field(None, description="Accepted; JSON is always written "
                                                                   "without free whitespace.")
 
-    @model_validator(mode="after")
-    def _exactly_one(self):
-        given = [k for k in ("json_", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
-        given += ["json_object"] if self.json_object else []
-        if len(given) != 1:
-            raise ValueError("give exactly one of json, regex, choice, grammar, json_object, structural_tag"
-                             + (f" (got {', '.join(g.rstrip('_') for g in given)})" if given else ""))
-        return self
+    def given(self) -> list[str]:
+        """The constraints given (exactly one is served: a rule the document cannot state, the route
+        answers 400)."""
+        names = [k.rstrip("_") for k in ("json_", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, k) is not None]
+        return names + (["json_object"] if self.json_object else [])
 
 
 class GuidedFields(Lenient):

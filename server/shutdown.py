@@ -4,7 +4,13 @@ The first signal starts a drain while the server keeps listening: new requests a
 Retry-After and /health answers 503, so a load balancer stops routing here; running requests
 may finish for up to ``shutdown_timeout`` seconds; the server then ends those still running
 (their streams get a proper last event) and uvicorn shuts down with nothing left to cut off.
-The process exits 0. A second SIGINT (Ctrl-C twice) stops at once.
+The process exits 0. A second SIGINT (Ctrl-C twice) cuts the wait short: the requests still
+running are ended at once, with their last events, and the server exits as after a timeout.
+
+A signal may reach the server's parent process alone (``kill PID``) or every process of it
+(``kill -- -PGID``, a terminal's Ctrl-C, systemd's control-group stop, a container runtime): the
+engine process ignores SIGINT and SIGTERM (``server.engine.process``), so either way the drain
+above is what happens.
 """
 
 import asyncio
@@ -22,18 +28,39 @@ log = logging.getLogger("server.shutdown")
 
 FINAL_EVENTS_S = 5.0      # after ending the requests: time for their last events to be written
 IDLE_ENGINE_S = 2.0       # time for the engine to report its KV blocks free
+DRAIN_REPORT_S = 5.0      # while draining, how often the log says what is left
 
 
-async def drain(services: Services, timeout: float) -> None:
-    """Stops admitting, waits up to ``timeout`` s for the running requests, then ends the rest."""
+def _count(requests: int) -> str:
+    return f"{requests} request{'' if requests == 1 else 's'}"
+
+
+async def drain(services: Services, timeout: float, hurry: Callable[[], bool] = lambda: False,
+                report_every: float = DRAIN_REPORT_S) -> None:
+    """Stops admitting, waits up to ``timeout`` s for the running requests (saying every
+    ``report_every`` s how many and for how long still; less once ``hurry()`` is true), then ends
+    the rest."""
     services.draining = True
     running = services.generations
-    log.info("shutting down: new requests get 503; waiting for running requests",
-             extra={"fields": {"running_requests": len(running), "shutdown_timeout_s": timeout}})
-    await _until(lambda: not running, timeout)
+    if running:
+        log.info(f"draining: new requests get 503; {_count(len(running))} running may finish for up to "
+                 f"{timeout:g} s (--shutdown-timeout), then the server ends "
+                 f"{'it' if len(running) == 1 else 'them'}",
+                 extra={"fields": {"running_requests": len(running), "shutdown_timeout_s": timeout}})
+    else:
+        log.info("draining: no request running; new requests get 503",
+                 extra={"fields": {"running_requests": 0, "shutdown_timeout_s": timeout}})
+    deadline = time.monotonic() + timeout
+    while running and not hurry() and time.monotonic() < deadline:
+        await _until(lambda: not running or hurry(), min(report_every, deadline - time.monotonic()))
+        left = deadline - time.monotonic()
+        if running and left > 0 and not hurry():
+            log.info(f"draining: {_count(len(running))} still running, ended in {left:.0f} s",
+                     extra={"fields": {"running_requests": len(running), "seconds_left": round(left, 1)}})
     if running:
         ended = list(running)
-        log.warning("shutdown timeout reached: the server ends the requests still running",
+        log.warning("shutdown timeout reached: the server ends the requests still running" if not hurry() else
+                    "second interrupt: the server ends the requests still running",
                     extra={"fields": {"ended_requests": len(ended),
                                       "request_ids": [g.request_id for g in ended]}})
         for generation in ended:
@@ -56,32 +83,33 @@ async def _until(condition: Callable[[], bool], timeout: float) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, with its signal handling replaced: a signal starts ``drain()`` and uvicorn's own
-    shutdown follows it. Unlike uvicorn's, the process does not re-raise the signal on its way
-    out, so it exits with status 0."""
+    """uvicorn, with its signal handling replaced: a signal starts ``drain(hurry)`` and uvicorn's
+    own shutdown follows it; a SIGINT after the first signal makes ``hurry()`` true. Unlike
+    uvicorn's, the process does not re-raise the signal on its way out, so it exits with status 0."""
 
-    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]):
+    def __init__(self, config: uvicorn.Config, drain: Callable[[Callable[[], bool]], Awaitable[None]]):
         super().__init__(config)
         self._drain = drain
         self._drain_signal: int | None = None
         self._drain_task: asyncio.Task | None = None
+        self._hurry = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_signal is None:
             self._drain_signal = sig
         elif sig == signal.SIGINT:
-            log.warning("second interrupt: stopping without waiting for running requests")
-            self.should_exit = self.force_exit = True
+            self._hurry = True
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain_signal is not None and self._drain_task is None and not self.should_exit:
-            log.info("received %s", signal.Signals(self._drain_signal).name)
+            name = signal.Signals(self._drain_signal).name
+            log.info("received %s%s", name, ": Ctrl-C again stops at once" if self._drain_signal == signal.SIGINT else "")
             self._drain_task = asyncio.create_task(self._drain_then_exit())
         return await super().on_tick(counter)
 
     async def _drain_then_exit(self) -> None:
         try:
-            await self._drain()
+            await self._drain(lambda: self._hurry)
         except Exception:
             log.exception("draining failed")
         self.should_exit = True

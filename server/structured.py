@@ -33,6 +33,9 @@ def openai_grammar(body) -> tuple[GrammarSpec, str] | None:
         found.append((GrammarSpec("json_schema", _schema_text(rf.json_schema.schema_, "response_format.json_schema")),
                       "response_format.json_schema"))
     so = body.structured_outputs
+    if so is not None and len(so.given()) != 1:
+        raise ApiError(400, "give exactly one of json, regex, choice, grammar, json_object, structural_tag in "
+                            f"structured_outputs (got {', '.join(so.given()) or 'none'})", param="structured_outputs")
     if so is not None:
         if so.json_ is not None:
             found.append((GrammarSpec("json_schema", _schema_text(so.json_, "structured_outputs.json")),
@@ -66,8 +69,6 @@ def tgi_grammar(grammar) -> tuple[GrammarSpec, str] | None:
         return None
     if grammar.type == "json":
         return GrammarSpec("json_schema", _schema_text(grammar.value, "parameters.grammar.value")), "parameters.grammar"
-    if not isinstance(grammar.value, str):
-        raise ApiError(400, "a regex grammar's value is a string", param="parameters.grammar.value")
     return GrammarSpec("regex", grammar.value), "parameters.grammar"
 
 

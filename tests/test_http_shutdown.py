@@ -1,6 +1,7 @@
 """Graceful drain (``server/shutdown.py``): real servers on a tiny random model, signalled with
 streams of both APIs in flight."""
 
+import glob
 import json
 import os
 import signal
@@ -20,13 +21,15 @@ MODEL = "random:tiny"
 
 
 class Server:
-    def __init__(self, log_path, *args):
+    """``python -m server`` in a session (and so a process group) of its own."""
+
+    def __init__(self, log_path, *args, device: str = "cpu"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "server", "--model", MODEL, "--device", "cpu", "--port", str(self.port),
+                [sys.executable, "-m", "server", "--model", MODEL, "--device", device, "--port", str(self.port),
                  "--max-batch", "8", *args],
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -49,6 +52,32 @@ class Server:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+    def signal(self, sig: int, target: str) -> None:
+        """``sig`` to the server's parent process alone, or to every process of its group."""
+        if target == "group":
+            os.killpg(self.process.pid, sig)
+        else:
+            self.process.send_signal(sig)
+
+    def processes_left(self, timeout: float = 10.0) -> list[str]:
+        """The command lines of the group's processes still alive (zombies not counted) once
+        ``timeout`` has passed or none is."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = []
+            for stat in glob.glob("/proc/[0-9]*/stat"):
+                try:
+                    with open(stat) as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    if int(fields[2]) == self.process.pid and fields[0] != "Z":
+                        with open(stat[:-4] + "cmdline", "rb") as f:
+                            left.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
+                except (OSError, IndexError, ValueError):
+                    pass                   # gone meanwhile
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
 
     def wait(self, timeout: float) -> int:
         try:
@@ -112,22 +141,31 @@ def check_clean_exit(server: Server, code: int) -> str:
     log = server.log()
     assert code == 0, log[-4000:]
     assert "Traceback" not in log and "leaked semaphore" not in log and "Exception in ASGI" not in log
-    assert "client disconnected" not in log
+    assert "client disconnected" not in log and "engine process exited" not in log
     drained = [json.loads(line) for line in log.splitlines() if '"msg": "drained"' in line]
     # every worker drained; the last to finish saw the engine hold no KV block
     assert drained and all(d["unfinished_streams"] == 0 for d in drained), drained
     assert drained[-1]["kv_blocks_used"] == 0, drained
+    assert server.processes_left() == []
     return log
 
 
-def test_sigterm_lets_running_streams_finish_within_the_timeout(tmp_path):
+def cuda_devices() -> list:
+    """``cpu``, and ``cuda`` as a GPU-marked case (skipped where CUDA is absent)."""
+    import torch
+    gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    return ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])]
+
+
+@pytest.mark.parametrize("workers, target", [("1", "parent"), ("2", "group")])
+def test_sigterm_lets_running_streams_finish_within_the_timeout(tmp_path, workers, target):
     # Enough tokens that the streams outlast the drain checks: 40 took under a second on the
     # int4 CPU path, and the server had finished and closed its socket before the last check.
     new_tokens = 200
-    server = Server(tmp_path / "server.log", "--shutdown-timeout", "60")
+    server = Server(tmp_path / "server.log", "--shutdown-timeout", "60", "--api-workers", workers)
     try:
         tgi, openai = streams(server.url, new_tokens=new_tokens)
-        server.process.send_signal(signal.SIGTERM)
+        server.signal(signal.SIGTERM, target)
         time.sleep(0.5)
         check_refusing(server)
         for s in (tgi, openai):
@@ -146,11 +184,27 @@ def test_sigterm_lets_running_streams_finish_within_the_timeout(tmp_path):
     assert "the server ends the requests still running" not in log
 
 
-@pytest.mark.parametrize("workers, sig", [("1", signal.SIGTERM), ("2", signal.SIGINT)])
-def test_streams_running_past_the_timeout_are_ended_with_a_proper_last_event(tmp_path, workers, sig):
-    """SIGINT goes to the whole process group, as Ctrl-C does: the engine process must not die
-    of it before the workers have ended their streams."""
-    server = Server(tmp_path / "server.log", "--shutdown-timeout", "2", "--api-workers", workers)
+# (API workers, signal, to the parent or the whole group, times sent): a signal to the group
+# (systemd's KillMode=control-group, `kill -- -PGID`, a terminal's Ctrl-C) drains as one to the
+# parent does; a second SIGINT ends the running requests at once instead of at the timeout.
+SIGNALS = [("1", signal.SIGTERM, "group", 1), ("2", signal.SIGTERM, "group", 1),
+           ("2", signal.SIGINT, "group", 1), ("2", signal.SIGTERM, "group", 2), ("1", signal.SIGINT, "group", 2),
+           ("2", signal.SIGINT, "parent", 2)]
+
+
+@pytest.mark.parametrize("device", cuda_devices())
+@pytest.mark.parametrize("workers, sig, target, times", SIGNALS,
+                         ids=[f"{w}worker-{signal.Signals(s).name}-{t}-x{n}" for w, s, t, n in SIGNALS])
+def test_streams_running_past_the_timeout_are_ended_with_a_proper_last_event(tmp_path, workers, sig, target, times,
+                                                                             device):
+    """The engine process must not die of a signal to the group before the workers have ended
+    their streams."""
+    if device == "cuda" and (target, times) != ("group", 1):
+        pytest.skip("on the GPU: the group signal sent once")
+    hurried = sig == signal.SIGINT and times == 2
+    timeout = 30 if hurried else 2
+    server = Server(tmp_path / "server.log", "--shutdown-timeout", str(timeout), "--api-workers", workers,
+                    device=device)
     plain: list[httpx.Response] = []
     waiting = threading.Thread(target=lambda: plain.append(httpx.post(
         server.url + "/generate", json={"inputs": "Count:", "parameters": {"max_new_tokens": 4000,
@@ -163,19 +217,21 @@ def test_streams_running_past_the_timeout_are_ended_with_a_proper_last_event(tmp
             assert time.monotonic() < deadline
             time.sleep(0.1)
         signalled = time.monotonic()
-        if sig == signal.SIGINT:
-            os.killpg(server.process.pid, signal.SIGINT)
-        else:
-            server.process.send_signal(sig)
+        server.signal(sig, target)
         time.sleep(0.5)
         check_refusing(server)
+        if times == 2:
+            server.signal(sig, target)
         for s in (tgi, openai, waiting):
             s.join(60)
         ended = time.monotonic() - signalled
         code = server.wait(60)
     finally:
         server.kill()
-    assert 2 <= ended < 20
+    if hurried:
+        assert ended < min(10, timeout), "a second SIGINT ends the running requests at once"
+    else:
+        assert timeout <= ended < 20
     for s in (tgi, openai):
         assert s.complete and s.error is None, s.error
     assert tgi.events[-1]["error_type"] == "incomplete_generation"
@@ -190,6 +246,7 @@ def test_streams_running_past_the_timeout_are_ended_with_a_proper_last_event(tmp
     assert r.status_code == 503 and r.headers["retry-after"] and "ended the request after" in r.json()["error"]
     log = check_clean_exit(server, code)
     assert log.count("the server ended the request (shutting down)") == 3
+    assert ("second interrupt: the server ends the requests still running" in log) == hurried
 
 
 def test_draining_app_refuses_new_work_and_health_says_so():
@@ -203,3 +260,38 @@ def test_draining_app_refuses_new_work_and_health_says_so():
             r = client.post(path, json=body)
             assert r.status_code == 503 and r.headers["retry-after"] == "5"
         assert client.get("/metrics").status_code == 200
+
+
+def test_the_drain_says_for_how_long_it_waits_and_what_is_left(caplog):
+    """Ctrl-C under `make run` with a stream open: the log says at once that the server drains
+    and for how long at most, then what is still running, until it ends the rest."""
+    import asyncio
+    import logging
+
+    from server.metrics import Metrics
+    from server.services import EngineSlot, Services
+    from server.settings import Settings
+    from server.shutdown import drain
+
+    class Running:
+        request_id = "r1"
+
+        def __init__(self, running: set):
+            self.running = running
+
+        def end_by_server(self):
+            self.running.discard(self)
+
+    services = Services(settings=Settings(), slot=EngineSlot(), metrics=Metrics(lambda: None))
+    services.generations.add(Running(services.generations))
+    caplog.set_level(logging.INFO, logger="server.shutdown")
+    started = time.monotonic()
+    asyncio.run(drain(services, timeout=1.0, report_every=0.3))
+    assert 1.0 <= time.monotonic() - started < 3
+    messages = [r.getMessage() for r in caplog.records if r.name == "server.shutdown"]
+    assert messages[0] == ("draining: new requests get 503; 1 request running may finish for up to 1 s "
+                           "(--shutdown-timeout), then the server ends it")
+    progress = [m for m in messages if "still running, ended in" in m]
+    assert len(progress) >= 2 and progress[0].startswith("draining: 1 request still running"), messages
+    assert any("the server ends the requests still running" in m for m in messages)
+    assert not services.generations

@@ -352,10 +352,12 @@ def test_required_tool_calls_stream_by_index(client):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not one of the tools"),
     ({"tool_choice": "required"}, "without tools"),
     ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "together"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool"}]}, "messages[1] has no content"),
 ])
 def test_tool_choice_that_cannot_be_served_answers_400(client, fields, words):
     r = client.post("/v1/chat/completions", json={"model": client.model_name, "max_tokens": 4,
                                                   "messages": [{"role": "user", "content": "hi"}], **fields})
+    assert r.status_code == 400
     assert r.status_code == 400 and words in r.text, r.text
 
 

@@ -108,7 +108,8 @@ def test_templates_with_tools_get_structured_calls():
 
 
 def test_message_validation():
-    with pytest.raises(ValueError, match="content is required"):
-        request(messages=[{"role": "user", "content": None}])
+    assert request(messages=[{"role": "user", "content": None}]).messages[0].lacks_content()
+    assert not request(messages=[{"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{}"}}]}]).messages[0].lacks_content()
     with pytest.raises(ValueError):
         request(messages=[{"role": "user", "content": "x"}], tool_choice="sometimes")

@@ -16,6 +16,9 @@ class EngineConfig:
     max_batch: int = 256                     # sequences decoded in one step
     max_model_len: int | None = None         # None: the model's own context length
     max_prefill_tokens: int = 4096           # prompt tokens admitted per step (long prompts in chunks)
+    # CPU: fewer prompt tokens per step where they would take longer than this many seconds, by
+    # the prefill speed measured at start-up (prefill_budget.py); 0 turns that off
+    cpu_prefill_step_s: float = 0.2
     prefill_delay_steps: int = 0             # decode steps arrivals may wait to be prefilled together
     # while streams decode, a prefill step may follow another at once if what waits has at most
     # this many tokens to compute (after cached prefixes); 0: a decode step always comes between
@@ -39,6 +42,8 @@ class EngineConfig:
     kv_scales_path: str | None = None
 
     def __post_init__(self):
+        if self.cpu_prefill_step_s < 0:
+            raise ValueError(f"cpu_prefill_step_s {self.cpu_prefill_step_s} is negative (0 turns the time budget off)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         if self.kv_scales_path is not None and self.kv_cache_dtype != "fp8":

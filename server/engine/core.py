@@ -26,6 +26,8 @@ from .grammar import GrammarCompiler, new_matcher
 from .model_runner import ModelRunner
 from .params import FinishEvent, SamplingParams, TokenEvent
 from .pipeline import Sampled
+from .prefill_budget import PrefillCost
+from .prefill_budget import measure as measure_prefill
 from .sampler import SamplingRows
 from .scheduler import PrefillStep, Scheduler
 from .sequence import Sequence, Status
@@ -114,8 +116,10 @@ class EngineCore:
             self.max_model_len = self.runner.kv_tokens
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching,
                                    salt=f"{loaded.name}|{loaded.dtype}")
+        prefill_cost = self._measure_prefill() if loaded.device.type == "cpu" and config.cpu_prefill_step_s else None
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens, self.max_model_len,
-                                   config.prefill_delay_steps, config.chained_prefill_tokens)
+                                   config.prefill_delay_steps, config.chained_prefill_tokens,
+                                   prefill_cost, config.cpu_prefill_step_s)
         self.steps = 0
         self.step_stats = StepStats()
         # structured output: requests whose grammar is being compiled, kept out of the scheduler till then
@@ -138,6 +142,21 @@ class EngineCore:
         log.info("KV pool: %d blocks of %d tokens (%d tokens); graph buckets %s, captured in %.1f s; "
                  "engine ready in %.1f s", self.blocks.num_blocks, config.block_size, self.runner.kv_tokens,
                  sorted(self.runner.graphs) or "none", self.runner.capture_seconds, time.monotonic() - started)
+
+    def _measure_prefill(self) -> PrefillCost:
+        """The CPU's prefill speed, timed now, before any request, on the pool's first blocks."""
+        limit = min(self.runner.kv_tokens, self.max_model_len)
+        cost = measure_prefill(self.runner.prefill_seconds, limit)
+        step_s = self.config.cpu_prefill_step_s
+        long = min(4096, limit)
+        log.info("CPU prefill: %.2f ms a token, %.2f us more per cached token it attends to: a prefill step "
+                 "takes up to %d prompt tokens at the start of a prompt, %d after %d cached, to last about "
+                 "%.0f ms (cpu_prefill_step_s; max_prefill_tokens %d)",
+                 cost.per_token_s * 1e3, cost.per_key_s * 1e6,
+                 min(cost.tokens_within(step_s, 0), self.config.max_prefill_tokens),
+                 min(cost.tokens_within(step_s, long), self.config.max_prefill_tokens), long, step_s * 1e3,
+                 self.config.max_prefill_tokens)
+        return cost
 
     def _warm_up(self) -> None:
         """A few throwaway requests through every path (prefill, decode graphs, sampling), so the

@@ -27,7 +27,9 @@ from .kv_scales import CALIBRATION_TEXT, KvScales, calibrate, calibration_ids, l
 from .penalties import PenaltyState
 from .pipeline import Sampled, StepPipeline
 from .prefill_graphs import PrefillGraphs, key_rows, token_slots
+from .params import SamplingParams
 from .sampler import SamplingRows, argmax_rows, clean_logits, prompt_logprobs, sample_clean
+from .sequence import Sequence
 from .threads import configure_cpu_threads
 
 log = logging.getLogger(__name__)
@@ -345,6 +347,16 @@ class ModelRunner:
             spans.append(logits[at:at + take])
             at += take
         return logits[:len(last)], spans
+
+    def prefill_seconds(self, tokens: int, context: int) -> float:
+        """Times a throwaway prefill chunk of ``tokens`` after ``context`` cached ones, written into
+        the pool's first blocks: for an idle engine only (start-up)."""
+        seq = Sequence("prefill-probe", [1] * (context + tokens), SamplingParams(), seed=0)
+        seq.block_table = list(range(-(-(context + tokens) // self.block_size)))
+        seq.num_cached = context
+        started = time.perf_counter()
+        self.prefill([(seq, tokens)])
+        return time.perf_counter() - started
 
     def _to_device(self, values) -> torch.Tensor:
         host = torch.as_tensor(np.asarray(values, dtype=np.int32))

@@ -64,6 +64,28 @@ def event_pipe(ctx):
     return reader, writer
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def start_core(process) -> None:
+    """Starts the core ``process`` with the stop signals blocked: one sent to the whole process
+    group while the core starts, before ``core_main`` ignores them, waits and is then dropped
+    instead of killing it (as multiprocessing starts its resource tracker). Its OpenMP threads
+    sleep when idle unless the environment says otherwise (``OMP_WAIT_POLICY``, read when the
+    new process loads OpenMP; see ``server/__main__.py``)."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    os.environ["OMP_WAIT_POLICY"] = policy or "PASSIVE"            # what the new process inherits
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if policy is None:                                         # this process's OpenMP has read it already
+            del os.environ["OMP_WAIT_POLICY"]
+        else:
+            os.environ["OMP_WAIT_POLICY"] = policy
+
+
 FRAME = struct.Struct("!I")                 # a request message: its length, then its pickle
 
 
@@ -232,9 +254,13 @@ def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, 
               log_config: dict | None):
     """The core process: loads the model, then steps until told to stop (or until every request
     pipe's writer has gone)."""
-    # Ctrl-C reaches the whole process group; the server drains its requests and then stops
-    # the core with a message, so the core must not die of the interrupt before that.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C, a terminal closing, systemd's control-group stop and container runtimes signal
+    # every process of the server; the server drains its requests and then stops the core with
+    # a message, so the core must not die of the signal before that. A core whose server has
+    # gone stops by itself: its request pipes end.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)     # blocked since start_core
     if log_config is not None:
         logging.config.dictConfig(log_config)
     transformers.utils.logging.disable_progress_bar()
@@ -291,7 +317,7 @@ def start_shared_core(model: str, dtype: str | None, device: str, config: Engine
     process = ctx.Process(target=core_main, name="engine-core", daemon=True,
                           args=(model, dtype, device, config, [r for r, _ in requests], [w for _, w in events],
                                 log_config))
-    process.start()
+    start_core(process)
     for (reader, _), (_, writer) in zip(requests, events):
         reader.close()
         writer.close()
@@ -359,7 +385,7 @@ class ProcessEngine(EngineFrontend):
         """Starts the core process (unless shared) and blocks until its model is loaded and its
         graphs captured."""
         if self._process is not None:
-            self._process.start()
+            start_core(self._process)
             self._writer.close()                   # the core's copies are now the only ones
             self._request_reader.close()
         message = self._receive()

@@ -17,17 +17,27 @@ blocks are freed and it goes back to the front of the queue (behind a prompt bei
 chunks, which holds its blocks meanwhile) to be recomputed later (with prefix caching, from the
 blocks of it still cached). A sequence's first prefill chunk starts after the longest chain of
 cached blocks matching its tokens (``BlockManager.match``).
+
+With a ``prefill_cost`` (the CPU: ``prefill_budget.py``), a prefill step also takes no more
+tokens than its estimated time allows (``prefill_step_s``; at least ``MIN_TIMED_CHUNK``, so
+that a prompt always advances), and a prefill follows
+another at once only when both together fit that time: a long prompt never holds the running
+streams for longer than one such step.
 """
 
 from collections import deque
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
+from .prefill_budget import PrefillCost
 from .sequence import Sequence, Status
 
 # A prompt whose log-probabilities are asked for is prefilled in chunks of at most this many
 # tokens, each chunk's logits over the whole vocabulary held at once.
 PROMPT_LOGPROBS_CHUNK = 512
+
+
+MIN_TIMED_CHUNK = 16        # tokens: the least a prefill step cut by time takes
 
 
 @dataclass
@@ -42,8 +52,12 @@ class DecodeStep:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, max_model_len: int,
-                 prefill_delay_steps: int = 0, chained_prefill_tokens: int = 0):
+                 prefill_delay_steps: int = 0, chained_prefill_tokens: int = 0,
+                 prefill_cost: PrefillCost | None = None, prefill_step_s: float = 0.0):
         self.blocks = blocks
+        self.prefill_cost = prefill_cost
+        self.prefill_step_s = prefill_step_s
+        self._last_prefill_s = 0.0             # the estimated time of the last prefill step
         self.prefill_delay_steps = prefill_delay_steps
         self.chained_prefill_tokens = chained_prefill_tokens
         self.max_model_len = max_model_len
@@ -68,8 +82,13 @@ class Scheduler:
         if not self.running:
             return True
         if self._prefills_in_a_row:
-            return (self._prefills_in_a_row == 1 and self.prefill_delay_steps == 0
-                    and self._tokens_to_compute(self.chained_prefill_tokens) <= self.chained_prefill_tokens)
+            if self._prefills_in_a_row > 1 or self.prefill_delay_steps:
+                return False
+            to_compute = self._tokens_to_compute(self.chained_prefill_tokens)
+            if to_compute > self.chained_prefill_tokens:
+                return False
+            return self.prefill_cost is None or self._last_prefill_s + self.prefill_cost.seconds(
+                to_compute, self.waiting[0].num_cached) <= self.prefill_step_s
         return (self._decodes_since_prefill >= self.prefill_delay_steps
                 or len(self.waiting) >= self.max_batch - len(self.running)
                 or sum(s.prefill_remaining for s in self.waiting) >= self.max_prefill_tokens)
@@ -103,6 +122,7 @@ class Scheduler:
 
     def _schedule_prefill(self) -> PrefillStep | None:
         budget = self.max_prefill_tokens
+        seconds_left = self.prefill_step_s
         chunks: list[tuple[Sequence, int]] = []
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(chunks) >= self.max_batch:
@@ -112,6 +132,13 @@ class Scheduler:
             if fresh and not scoring:
                 seq.num_cached = self.blocks.match(seq)
             take = min(seq.prefill_remaining, budget, PROMPT_LOGPROBS_CHUNK if scoring else budget)
+            if self.prefill_cost is not None:
+                take = self._timed_take(seq, take, seconds_left, first=not chunks)
+                if take == 0:
+                    if fresh and not scoring:
+                        self.blocks.unmatch(seq)
+                    break
+                seconds_left -= self.prefill_cost.seconds(take, seq.num_cached)
             if not self.blocks.can_grow(seq.block_table, seq.num_cached + take):
                 if fresh and not scoring:
                     self.blocks.unmatch(seq)
@@ -123,7 +150,19 @@ class Scheduler:
             budget -= take
             if take < seq.prefill_remaining:
                 break                            # the rest of this prompt goes in a later step
-        return PrefillStep(chunks) if chunks else None
+        if not chunks:
+            return None
+        if self.prefill_cost is not None:
+            self._last_prefill_s = self.prefill_step_s - seconds_left
+        return PrefillStep(chunks)
+
+    def _timed_take(self, seq: Sequence, take: int, seconds: float, first: bool) -> int:
+        """``take`` cut to what fits ``seconds``; the step's first chunk gets at least
+        ``MIN_TIMED_CHUNK`` tokens (so a prompt advances however slow the host)."""
+        fits = self.prefill_cost.tokens_within(seconds, seq.num_cached)
+        if first:
+            fits = max(fits, MIN_TIMED_CHUNK)
+        return min(take, fits)
 
     def _schedule_decode(self) -> DecodeStep:
         scheduled: list[Sequence] = []
