@@ -59,14 +59,16 @@ async def encode_text(engine, text: str, shared: bool = True) -> Prompt:
     return Prompt(ids, text, time.perf_counter() - started, started_epoch, reused)
 
 
-def _render_chat(tokenizer, messages: list[dict]) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def _render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
 
-async def encode_chat(engine, messages: list[dict], shared: bool = True) -> Prompt:
+async def encode_chat(engine, messages: list[dict], shared: bool = True, tools: list[dict] | None = None) -> Prompt:
+    """``tools``: for a chat template that renders them (server/tools.py)."""
     started, started_epoch = time.perf_counter(), time.time()
     try:
-        text = await run_in_threadpool(_render_chat, engine.tokenizer, messages)
+        text = await run_in_threadpool(_render_chat, engine.tokenizer, messages, tools)
     except Exception as exc:       # jinja raises on conversations its template refuses
         raise ApiError(400, f"messages do not fit the model's chat template: {exc}",
                        param="messages") from exc

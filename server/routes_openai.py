@@ -13,18 +13,21 @@ from .generation import (ClientGone, Generation, Prompt, check_token_ids, decode
 from .openai_logprobs import (chat_logprobs, completion_logprobs, echo_logprobs, joined,
                               vllm_prompt_logprobs)
 from .http_errors import ApiError, ended_by_shutdown, error_body, require_json_body
-from .schemas import OpenAIErrorResponse, chat_template_messages, ignored_fields
+from .schemas import OpenAIErrorResponse, ignored_fields
 from .schemas_openai import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              CompletionChunk, CompletionRequest, CompletionResponse, ModelCard, ModelList,
                              SamplingFields)
 from .services import Services, get_services, ready_engine
 from .sse import DONE, GenerationEventStream, event_stream_doc, sse_json
+from .structured import constrain, openai_grammar
 from .token_text import token_strings
+from .tools import ToolCallStream, parse_tool_calls, plan_tools, template_messages
 
 log = logging.getLogger("server.openai")
 router = APIRouter(prefix="/v1", tags=["OpenAI"], dependencies=[Depends(require_json_body)])
 
 FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort", "error": "error"}
+CALLS_FINISH = ("eos", "stop")          # reasons that become "tool_calls" when the output made calls
 ERRORS = {status: {"model": OpenAIErrorResponse} for status in (400, 401, 404, 413, 415, 422, 429, 500, 503)}
 
 
@@ -197,12 +200,13 @@ async def completions(body: CompletionRequest, request: Request, engine=Depends(
     asked_prompt = body.prompt_logprobs
     if echo_scores:
         asked_prompt = max(body.logprobs, asked_prompt or 0)
+    grammar = openai_grammar(body)
     planned = []
     for prompt in prompts:
         max_new = plan_max_new_tokens(services, engine, prompt, 1 if nothing else body.max_tokens, default,
                                       "max_tokens")
-        planned.append((prompt, openai_sampling(engine, body, max_new, want_logprobs, body.logprobs or 0,
-                                                asked_prompt)))
+        planned.append((prompt, await constrain(openai_sampling(engine, body, max_new, want_logprobs,
+                                                                body.logprobs or 0, asked_prompt), grammar)))
     n = body.choices()
     group = submit_choices(services, engine, request, planned, n, endpoint="completions", streaming=body.stream)
     strings = token_strings(engine.tokenizer)
@@ -289,11 +293,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
     if body.token_limits_differ():
         raise ApiError(400, f"give max_completion_tokens or max_tokens, not two different values "
                             f"({body.max_completion_tokens} and {body.max_tokens})", param="max_completion_tokens")
-    prompt = await encode_chat(engine, chat_template_messages(body.messages), shared=body.cache_salt is None)
+    empty = next((i for i, m in enumerate(body.messages) if m.lacks_content()), None)
+    if empty is not None:
+        raise ApiError(400, f"messages[{empty}] has no content (null only for an assistant message with "
+                            "tool_calls)", param=f"messages.{empty}.content")
+    try:
+        tools = plan_tools(body, engine.tokenizer)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="tool_choice") from None
+    grammar = openai_grammar(body)
+    if tools.grammar is not None:
+        if grammar is not None:
+            raise ApiError(400, f"{grammar[1]} and tools (tool_choice not 'none') together", param=grammar[1])
+        grammar = (tools.grammar, "tools")
+    prompt = await encode_chat(engine, template_messages(body.messages, tools.tools, tools.fmt),
+                               shared=body.cache_salt is None,
+                               tools=tools.tools if tools.fmt.template_renders_tools else None)
     max_new = plan_max_new_tokens(services, engine, prompt, body.token_limit(),
                                   services.settings.default_max_new_tokens, "max_completion_tokens")
     params = openai_sampling(engine, body, max_new, body.logprobs, body.top_logprobs or 0 if body.logprobs else 0,
                              body.prompt_logprobs)
+    params = await constrain(params, grammar)
     group = submit_choices(services, engine, request, [(prompt, params)], body.choices(),
                            endpoint="chat.completions", streaming=body.stream)
     strings = token_strings(engine.tokenizer)
@@ -301,19 +321,36 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
                      "chatcmpl", body.model)
 
     if body.stream:
+        calls = [ToolCallStream(tools.fmt) for _ in range(len(group))] if tools.active else None
+
+        def delta(index: int, text: str, made: list[dict]) -> dict:
+            out = {"content": text} if text else {}
+            if made:
+                first = len(calls[index].calls) - len(made)
+                out["tool_calls"] = [{"index": first + i, **call} for i, call in enumerate(made)]
+            return out
+
         def token_choices(index: int, t: TokenEvent) -> list[dict]:
             t.text = text_of(t, engine.tokenizer, body.skip_special_tokens)
             if not t.text:
                 return []
-            return [{"index": index, "delta": {"content": t.text},
+            d = delta(index, *calls[index].feed(t.text)) if calls is not None else {"content": t.text}
+            if not d:
+                return []
+            return [{"index": index, "delta": d,
                      "logprobs": chat_logprobs([t], strings) if body.logprobs else None, "finish_reason": None}]
+
+        def final_choice(index: int, f: FinishEvent) -> dict:
+            d = delta(index, *calls[index].finish()) if calls is not None else {}
+            reason = FINISH_REASONS[f.reason]
+            if calls is not None and calls[index].calls and f.reason in CALLS_FINISH:
+                reason = "tool_calls"
+            return {"index": index, "delta": d, "logprobs": None, "finish_reason": reason}
 
         head = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for i in range(len(group))]
         return GenerationEventStream(openai_stream(
-            group, head=head, chunk=chunk, token_choices=token_choices,
-            final_choice=lambda i, f: {"index": i, "delta": {}, "logprobs": None,
-                                       "finish_reason": FINISH_REASONS[f.reason]},
+            group, head=head, chunk=chunk, token_choices=token_choices, final_choice=final_choice,
             final_usage=lambda: group_usage(group, sum(f.completion_tokens for f in
                                                        (g.finish for g in group.generations) if f)),
             include_usage=body.include_usage(), continuous_usage=body.continuous_usage()), group)
@@ -321,10 +358,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
     finishes = await finish_or_raise(group, request)
     if finishes is None:
         return Response(status_code=499)
-    choices = [{"index": i, "message": {"role": "assistant", "content": final_text(gen, finish, engine, body)},
-                "logprobs": chat_logprobs(gen.tokens, strings) if body.logprobs else None,
-                "finish_reason": FINISH_REASONS[finish.reason]}
-               for i, (gen, finish) in enumerate(zip(group.generations, finishes))]
+    choices = []
+    for i, (gen, finish) in enumerate(zip(group.generations, finishes)):
+        message = {"role": "assistant", "content": final_text(gen, finish, engine, body)}
+        reason = FINISH_REASONS[finish.reason]
+        if tools.active:
+            message["content"], made = parse_tool_calls(message["content"], tools.fmt)
+            if made:
+                message["tool_calls"] = made
+                reason = "tool_calls" if finish.reason in CALLS_FINISH else reason
+        choices.append({"index": i, "message": message,
+                        "logprobs": chat_logprobs(gen.tokens, strings) if body.logprobs else None,
+                        "finish_reason": reason})
     answer = {**chunk(None), "choices": choices,
               "usage": group_usage(group, sum(f.completion_tokens for f in finishes))}
     if body.prompt_logprobs is not None:

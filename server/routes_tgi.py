@@ -16,6 +16,7 @@ from .schemas import (MAX_STOP_SEQUENCES, ErrorResponse, GenerateParameters, Gen
                       GenerateResponse, Info, StreamResponse, chat_template_messages)
 from .services import Services, get_services, ready_engine
 from .sse import GenerationEventStream, event_stream_doc, sse_json
+from .structured import constrain, tgi_grammar
 from .token_text import token_strings
 
 log = logging.getLogger("server.tgi")
@@ -137,7 +138,7 @@ async def run_generate(body: GenerateRequest, request: Request, engine, services
                                   services.settings.default_max_new_tokens,
                                   "parameters.max_new_tokens")
     check_top_n_tokens(params, services)
-    sampling = tgi_sampling(engine, params, max_new, services)
+    sampling = await constrain(tgi_sampling(engine, params, max_new, services), tgi_grammar(params.grammar))
     strings = token_strings(engine.tokenizer)
     prefix = prompt.text if params.return_full_text else ""
     gen = submit(services, engine, request, prompt, sampling, endpoint=endpoint, streaming=stream)

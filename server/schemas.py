@@ -120,6 +120,19 @@ class OpenAIErrorResponse(BaseModel):
 # ---------------------------------------------------------------- TGI
 
 
+class TgiJsonGrammar(Strict):
+    type: Literal["json"]
+    value: dict[str, Any] | Text = Field(description="A JSON schema (object or its text).")
+
+
+class TgiRegexGrammar(Strict):
+    type: Literal["regex"]
+    value: NonEmptyText = Field(description="A regular expression the whole output matches.")
+
+
+TgiGrammar = Annotated[TgiJsonGrammar | TgiRegexGrammar, Field(discriminator="type")]
+
+
 class GenerateParameters(Strict):
     max_new_tokens: integer(ge=1) | None = Field(
         None, description="Tokens to generate at most; default: the server's default, "
@@ -150,7 +163,7 @@ class GenerateParameters(Strict):
                                                              "tokens at each position in top_tokens, 0..20 (--max-logprobs).")
     frequency_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0, description=(
         "Subtracted from a token's logit once per time it was generated so far (OpenAI's definition)."))
-    grammar: None = Field(None, description="Not supported; null only.")
+    grammar: TgiGrammar | None = Field(None, description="Structured output: JSON under a schema or a regex.")
     adapter_id: None = Field(None, description="Not supported; null only.")
 
     @field_validator("best_of")
@@ -257,3 +270,4 @@ class Info(BaseModel):
     max_total_tokens: int
     max_stop_sequences: int
     version: str
+

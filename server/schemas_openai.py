@@ -8,10 +8,11 @@ vLLM send such fields. A known field with a value this server cannot honour is s
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from .schemas import (MAX_STOP_SEQUENCES, ChatMessage, FiniteFloat, Lenient, NonEmptyText, StopSequence, Strict,
-                      Text, integer, only)
+from .schemas import (MAX_STOP_SEQUENCES, ChatMessage, FiniteFloat, Lenient, NonEmptyText, StopSequence, Text,
+                      TextPart, integer, only)
+from .schemas_structured import GuidedFields, ResponseFormat, ToolCall, ToolChoice, ToolDefinition
 
 TokenId = integer(ge=0)
 MAX_STOP_TOKEN_IDS = 64
@@ -120,7 +121,7 @@ class SamplingFields(Lenient):
         return self.include_usage() and self.stream_options.continuous_usage_stats
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, GuidedFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] = Field(
         description=f"A string, a list of token ids, or a list of up to {MAX_PROMPTS} of either: one "
                     "choice per prompt (times n), indexed prompt by prompt.",
@@ -167,15 +168,24 @@ class CompletionRequest(SamplingFields):
         return v
 
 
-class ResponseFormat(Strict):
-    type: Literal["text"] = Field(description="Only plain text is supported.")
-
-
 class OpenAIChatMessage(ChatMessage, Lenient):
-    """A chat message; fields the template does not use (tool_calls: [], say) are ignored."""
+    """A chat message; fields the template does not use are ignored. An assistant message may
+    carry tool_calls (its content null), a tool message the result of one."""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+
+    def text(self) -> str:
+        return "" if self.content is None else super().text()
+
+    def lacks_content(self) -> bool:
+        """No content, and not an assistant message with tool_calls (a rule the document cannot
+        state: the route answers 400)."""
+        return self.content is None and not (self.role == "assistant" and self.tool_calls)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, GuidedFields):
     messages: list[OpenAIChatMessage] = Field(min_length=1)
     max_tokens: integer(ge=1) | None = Field(None, description="Deprecated OpenAI name of "
                                                            "max_completion_tokens.")
@@ -187,20 +197,12 @@ class ChatCompletionRequest(SamplingFields):
     prompt_logprobs: integer() | None = Field(None, json_schema_extra=LOGPROB_BOUNDS, description=(
         "vLLM's extension: the prompt tokens' log-probabilities, with this many likeliest at each position."))
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = Field(None, description="Not supported; null or [] only.",
-                                    json_schema_extra={"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored.")
+    tools: list[ToolDefinition] | None = Field(None, description="Functions the model may call.")
+    tool_choice: ToolChoice | None = Field(None, description="Default 'auto' with tools, 'none' without.")
+    parallel_tool_calls: bool | None = Field(None, description="Default true: several calls in one answer.")
 
     _top_logprobs = logprob_count("top_logprobs")
     _prompt_logprobs = logprob_count("prompt_logprobs")
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported by this server")
-        return v
 
     def token_limits_differ(self) -> bool:
         """Both limits given, different (a rule the document cannot state: the route answers 400)."""
@@ -269,7 +271,8 @@ class ChatChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -325,16 +328,24 @@ class CompletionChunk(BaseModel):
                                                   "with continuous_usage_stats too, on every chunk.")
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] | None = Field(None, description="name and arguments (JSON text)")
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(None, description="Each call whole, in one delta.")
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = Field(
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = Field(
         description="Set on the last chunk; 'abort': the server ended the request while shutting down.")
 
 

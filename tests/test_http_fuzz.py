@@ -85,7 +85,8 @@ TGI_PARAMETERS = body_of({}, {
     "ignore_eos": BOOL, "best_of": field(st.sampled_from([None, 1]), 2, 0),
     "typical_p": field(st.none(), 0.5), "watermark": field(st.just(False), True),
     "decoder_input_details": field(st.booleans(), None, "yes"),
-    "top_n_tokens": field(st.sampled_from([None, 0, 3, 20]), 21, -1), "grammar": field(st.none(), {"type": "json"}),
+    "top_n_tokens": field(st.sampled_from([None, 0, 3, 20]), 21, -1),
+    "grammar": field(st.none(), {"type": "json"}, {"type": "xml", "value": "a"}),
     "frequency_penalty": field(st.sampled_from([None, 0.0, 0.5]), 2.5, math.nan), "adapter_id": field(st.none(), "x")})
 TGI_BODY = st.one_of(
     body_of({"inputs": TEXT}, {"parameters": nested(TGI_PARAMETERS), "stream": BOOL}),
@@ -122,9 +123,10 @@ def chat_body(model: str) -> st.SearchStrategy:
     return body_of({"model": model_field(model), "messages": MESSAGES},
                    {**SAMPLING, "max_tokens": TOKENS, "max_completion_tokens": TOKENS,
                     "logprobs": BOOL, "top_logprobs": field(st.sampled_from([None, 0, 2, 20]), 21, -1),
-                    "response_format": field(st.just({"type": "text"}), {"type": "json_object"}, {}),
+                    "response_format": field(st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+                                             {"type": "xml"}, {}, {"type": "json_schema"}),
                     "tools": field(st.sampled_from([None, []]), [{"type": "function"}]),
-                    "tool_choice": field(st.sampled_from([None, "none"]), "auto", {"type": "function"}),
+                    "tool_choice": field(st.sampled_from([None, "none"]), "sometimes", {"type": "function"}),
                     "parallel_tool_calls": BOOL})
 
 

@@ -44,7 +44,7 @@ def test_unknown_fields_are_ignored_with_one_warning_per_request(path, base, cap
     body = {**base, "max_tokens": 2, "min_p": 0.1, "use_beam_search": False,
             "stream_options": None, "spaces_between_special_tokens": True}
     if "messages" in base:
-        body["messages"] = [{"role": "user", "content": "hi", "tool_calls": []}]
+        body["messages"] = [{"role": "user", "content": "hi", "reasoning_content": ""}]
     with client_for() as client, caplog.at_level(logging.WARNING, logger="server.openai"):
         r = client.post(path, json=body)
         assert r.status_code == 200, r.text
@@ -52,7 +52,7 @@ def test_unknown_fields_are_ignored_with_one_warning_per_request(path, base, cap
     assert len(warnings) == 1
     ignored = warnings[0].fields["ignored_fields"]
     assert {"min_p", "use_beam_search", "spaces_between_special_tokens"} <= set(ignored)
-    assert ("messages.0.tool_calls" in ignored) == ("messages" in base)
+    assert ("messages.0.reasoning_content" in ignored) == ("messages" in base)
     assert warnings[0].fields["request_id"] == r.headers["x-request-id"]
 
 

@@ -11,6 +11,8 @@ import itertools
 import logging
 import queue
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +22,7 @@ from models import LoadedModel
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .grammar import GrammarCompiler, new_matcher
 from .model_runner import ModelRunner
 from .params import FinishEvent, SamplingParams, TokenEvent
 from .pipeline import Sampled
@@ -32,6 +35,7 @@ from .sequence import Sequence, Status
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
+COMPILE_POLL_S = 0.01        # with nothing else to do, how long a step waits for a grammar being compiled
 STATS_LOG_INTERVAL_S = 5.0
 
 
@@ -118,10 +122,15 @@ class EngineCore:
                                    prefill_cost, config.cpu_prefill_step_s)
         self.steps = 0
         self.step_stats = StepStats()
+        # structured output: requests whose grammar is being compiled, kept out of the scheduler till then
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.token_masks.vocab_size, self.eos_ids)
+        self.compiling: dict[Sequence, Future] = {}
+        self.constrained = 0                 # admitted requests with a grammar, not finished
         self.sampled_tokens = 0
         self.info = ModelInfo(loaded.name, self.max_model_len, self.runner.kv_tokens, config.block_size,
                               self.blocks.num_blocks, loaded.model.get_input_embeddings().num_embeddings)
         if loaded.device.type == "cuda":
+            self.runner.token_masks.warm_up()
             self._warm_up()
         graphs = self.runner.prefill_graphs
         if config.prefix_caching:
@@ -213,7 +222,7 @@ class EngineCore:
                     raise
 
     def busy(self) -> bool:
-        return self.scheduler.has_work() or self.runner.pipeline.busy
+        return self.scheduler.has_work() or self.runner.pipeline.busy or bool(self.compiling)
 
     def run_until_idle(self) -> None:
         """Steps until every request has finished (offline use: benchmarks, batch jobs)."""
@@ -225,7 +234,8 @@ class EngineCore:
         """``follows``: the id of another choice of the same prompt, sent just before; this one
         draws its first token from that one's prefill logits, then shares its full blocks (the
         prompt is computed once for all choices, but for the tokens past its last full block,
-        which each computes with its first token in one more prefill)."""
+        which each computes with its first token in one more prefill). A request with a grammar
+        waits for its compile instead, and is prefilled on its own."""
         seq = Sequence(request_id, prompt_ids, params, seed)
         if params.penalised:
             try:
@@ -234,6 +244,9 @@ class EngineCore:
             except ValueError as exc:
                 self._publish([(request_id, self._finish(seq, "error", str(exc)))])
                 return
+        if params.grammar is not None:
+            self.compiling[seq] = self.grammars.compile(params.grammar)
+            return
         leader = None
         if follows is not None:
             leader = next((s for s in self.scheduler.waiting if s.request_id == follows), None)
@@ -241,6 +254,23 @@ class EngineCore:
             leader.followers.append(seq)
         else:
             self.scheduler.add(seq)
+
+    def _admit_compiled(self) -> list[tuple[str, object]]:
+        """Requests whose grammar is compiled go to the scheduler; those whose grammar failed, end.
+        With nothing else to do, waits a little for a compile first."""
+        if not self.scheduler.has_work() and not self.runner.pipeline.busy:
+            wait_futures(self.compiling.values(), timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
+        events = []
+        for seq, future in [(s, f) for s, f in self.compiling.items() if f.done()]:
+            del self.compiling[seq]
+            try:
+                seq.matcher = new_matcher(future.result())
+            except Exception as exc:
+                events.append((seq.request_id, self._finish(seq, "error", str(exc))))
+                continue
+            self.constrained += 1
+            self.scheduler.add(seq)
+        return events
 
     def _held(self) -> list[Sequence]:
         """Choices waiting for another choice's prefill (not yet in the scheduler)."""
@@ -252,7 +282,7 @@ class EngineCore:
             seq.followers = []
 
     def abort(self, request_id: str) -> None:
-        for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting, self._held()):
+        for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting, self._held(), list(self.compiling)):
             if seq.request_id == request_id:
                 self._publish([(request_id, self._finish(seq, "abort"))])
                 return
@@ -275,7 +305,7 @@ class EngineCore:
         tokens are read back after it (no waiting sequence has a token in flight: a sequence
         preempted by a decode step has its last token read back by that step's launch). Batches
         that need every earlier token on the host first wait for the step in flight."""
-        events = []
+        events = self._admit_compiled() if self.compiling else []
         if self.scheduler.needs_sync():
             events += self._emit(self.runner.pipeline.drain())
         work = self.scheduler.schedule()
@@ -287,7 +317,15 @@ class EngineCore:
             return events + self._emit(self.runner.pipeline.drain())
         self.step_stats.decode_steps += 1
         self.step_stats.generated += len(work.seqs)
-        return events + self._emit(self.runner.decode_step(work.seqs, self._sampling_rows(work.seqs)))
+        constrain = None
+        if self.constrained and any(seq.matcher is not None for seq in work.seqs):
+            def constrain(previous: Sampled | None):
+                """The previous step's tokens applied (matchers advanced), then this step's mask,
+                filled while the device runs the step's forward."""
+                events.extend(self._emit(previous))
+                return self.runner.token_masks.fill(work.seqs)
+        sampled = self.runner.decode_step(work.seqs, self._sampling_rows(work.seqs), constrain)
+        return events + self._emit(sampled)
 
     def _prefill(self, work: PrefillStep) -> list:
         self.step_stats.prefill_steps += 1
@@ -356,10 +394,14 @@ class EngineCore:
         eos = token in self.eos_ids
         params = seq.params
         may_stop = len(seq.output_ids) > params.min_tokens
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            return ((seq.request_id, self._finish(seq, "error", f"token {token} breaks the request's grammar")),)
         if eos and not params.ignore_eos and may_stop:
             reason = "eos"
         elif token in params.stop_token_ids and may_stop:
             reason = "stop"
+        elif seq.matcher is not None and seq.matcher.is_terminated():
+            reason = "eos"                         # the grammar is complete: nothing more may follow
         elif len(seq.output_ids) >= params.max_new_tokens or seq.length >= self.max_model_len:
             reason = "length"
         # a stop token id prints nothing, as EOS does
@@ -376,6 +418,9 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> FinishEvent:
         self._mark_scheduled(seq)
+        self.compiling.pop(seq, None)
+        if seq.matcher is not None and not seq.is_finished:
+            self.constrained -= 1
         for leader in self.scheduler.waiting:
             if seq in leader.followers:
                 leader.followers.remove(seq)
@@ -395,7 +440,8 @@ class EngineCore:
                            seq.cached_tokens or 0)
 
     def fail_all(self, message: str) -> None:
-        seqs = list(itertools.chain(self.scheduler.running, self.scheduler.waiting, self._held()))
+        seqs = list(itertools.chain(self.scheduler.running, self.scheduler.waiting, self._held(), self.compiling))
+        self.compiling.clear()
         events = []
         for seq in seqs:
             try:

@@ -21,13 +21,14 @@ from models import (AttentionBatch, FusedDecoder, LoadedModel, cpu_forward, cpu_
                     fused_unsupported_reason, head_dim_of, layer_windows)
 
 from .config import EngineConfig
+from .grammar import TokenMasks
 from .graphs import capture_graphs
 from .kv_scales import CALIBRATION_TEXT, KvScales, calibrate, calibration_ids, load_scales
 from .penalties import PenaltyState
 from .pipeline import Sampled, StepPipeline
 from .prefill_graphs import PrefillGraphs, key_rows, token_slots
 from .params import SamplingParams
-from .sampler import SamplingRows, argmax_rows, clean_logits, prompt_logprobs, sample, sample_clean
+from .sampler import SamplingRows, argmax_rows, clean_logits, prompt_logprobs, sample_clean
 from .sequence import Sequence
 from .threads import configure_cpu_threads
 
@@ -187,6 +188,7 @@ class ModelRunner:
 
     def _init_decode_buffers(self):
         self.pipeline = StepPipeline(self.max_batch, self.max_blocks_per_seq, self.block_size, self.device)
+        self.token_masks = TokenMasks(self.max_batch, self.model.get_output_embeddings().out_features, self.device)
         p = self.pipeline
         self.input_ids, self.positions, self.slots, self.seq_lens, self.block_tables = (
             p.input_ids, p.positions, p.slots, p.seq_lens, p.block_tables)
@@ -222,12 +224,20 @@ class ModelRunner:
     # ---- steps ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode_step(self, seqs, rows: SamplingRows) -> Sampled | None:
+    def decode_step(self, seqs, rows: SamplingRows, constrain=None) -> Sampled | None:
         """One decode step of ``seqs``, inputs taken from the step in flight where they are still on
-        the device, sampled and sent to the host; returns the previous decode step's ids."""
+        the device, sampled and sent to the host; returns the previous decode step's ids.
+
+        ``constrain`` (structured output): called once the step is launched with the previous
+        step's ids, read back early (None if there were none), it returns the token mask of
+        ``seqs`` (``TokenMasks.fill``) or None; the mask is applied to the logits before sampling."""
         logits, greedy = self._decode(seqs, self.pipeline.sources(seqs))
         ids = logprobs = None
-        if not rows.greedy_only:                       # else the step wrote its ids already
+        mask = constrain(self.pipeline.take_inflight()) if constrain is not None else None
+        if mask is not None:
+            self.token_masks.apply(logits, mask)
+            greedy = argmax_rows(logits)
+        if mask is not None or not rows.greedy_only:   # else the step wrote its ids already
             ids, logprobs = sample_clean(logits, rows, greedy, self.penalties)
         for seq in seqs:
             seq.num_cached = seq.total_len
@@ -236,10 +246,10 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill_step(self, chunks, ready: list[int], rows: SamplingRows, takers=None) -> Sampled | None:
         """Runs prompt chunks; samples the first token of the chunks at indices ``ready`` (those
-        that complete their prompt) and reads it back at once. ``takers``: the sequence each
-        entry of ``ready`` samples for (default: the chunk's own; an index may repeat, for other
-        choices of the same prompt). Sequences that ask for their prompt's log-probabilities get
-        this chunk's added to ``seq.prompt_logprobs``."""
+        that complete their prompt), under their grammars' masks, and reads it back at once.
+        ``takers``: the sequence each entry of ``ready`` samples for (default: the chunk's own; an
+        index may repeat, for other choices of the same prompt). Sequences that ask for their
+        prompt's log-probabilities get this chunk's added to ``seq.prompt_logprobs``."""
         wanting = [i for i, (seq, _) in enumerate(chunks) if seq.prompt_logprobs is not None]
         if wanting:
             logits, every_row = self._prefill_packed(chunks, every_row_of=wanting)
@@ -253,8 +263,13 @@ class ModelRunner:
             return None
         if ready != list(range(len(chunks))):
             logits = logits[torch.tensor(ready, device=logits.device)]
-        ids, logprobs = sample(logits, rows, self.penalties)
-        return self.pipeline.read_now(takers or [chunks[i][0] for i in ready], ids, logprobs)
+        seqs = takers or [chunks[i][0] for i in ready]
+        logits = clean_logits(logits)
+        mask = self.token_masks.fill(seqs) if any(s.matcher is not None for s in seqs) else None
+        if mask is not None:
+            self.token_masks.apply(logits, mask)
+        ids, logprobs = sample_clean(logits, rows, penalties=self.penalties)
+        return self.pipeline.read_now(seqs, ids, logprobs)
 
     @torch.inference_mode()
     def decode(self, seqs, sources=None) -> torch.Tensor:

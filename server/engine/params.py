@@ -7,6 +7,15 @@ FinishReason = Literal["length", "stop", "eos", "abort", "error"]
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the generated text (``grammar.py`` compiles it): ``kind`` "json_schema"
+    (``text``: the schema as JSON), "json_object" (any JSON object), "regex", "ebnf" or
+    "structural_tag" (xgrammar's, as JSON: tool calls)."""
+    kind: Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
+    text: str = ""
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 64
     temperature: float = 0.0            # 0 means greedy
@@ -27,6 +36,7 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()   # these end the request ("stop"), as EOS does
     # prefix-cache blocks are shared only among requests with the same salt; a secret, kept out of reprs
     cache_salt: str | None = field(default=None, repr=False)
+    grammar: GrammarSpec | None = None  # structured output: only text the grammar accepts, EOS when it is complete
 
     @property
     def greedy(self) -> bool:

@@ -190,6 +190,12 @@ class StepPipeline:
             seq.pending += 1
         return _Readback.launch(seqs, ids.to(torch.int32), logprobs, *self._readback[2]).read()
 
+    def take_inflight(self) -> Sampled | None:
+        """The step in flight, read back now, while the step just launched runs (a grammar needs
+        its tokens before the launched step samples); ``launch`` then has none to return."""
+        inflight, self._inflight = self._inflight, None
+        return inflight.read() if inflight is not None else None
+
     def drain(self) -> Sampled | None:
         """The step in flight, read back; None when there is none."""
         inflight, self._inflight = self._inflight, None

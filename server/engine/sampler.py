@@ -20,6 +20,7 @@ import torch
 from .penalties import PenaltyState, to_device
 
 MASK32 = 0xFFFFFFFF
+LARGEST_BELOW_ONE = 1.0 - 2.0 ** -24     # the float32 just below 1
 
 
 @dataclass
@@ -85,7 +86,9 @@ def hashed_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) ->
     cols = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     bits = _mix32((key.unsqueeze(1) + cols * 0x27D4EB2F) & MASK32)
     bits = _mix32(bits ^ key.unsqueeze(1))
-    return (bits.to(torch.float64) + 0.5).div_(2.0 ** 32).to(torch.float32)
+    # the top 128 of the 2**32 values round to 1.0 in float32, whose -log is 0: a token of probability
+    # 0 (masked by a grammar, or underflowed) would then race 0/0 = NaN, and argmax takes a NaN
+    return (bits.to(torch.float64) + 0.5).div_(2.0 ** 32).to(torch.float32).clamp_(max=LARGEST_BELOW_ONE)
 
 
 def _apply_repetition_penalty(logits, penalty, history):

@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one command, logs under $OUT and a short table last.
 #
 #   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench]
-#       [http] [prefix] [prefix-engine] [tokenize] [window] [arch-tests] [arch] [fp8]
+#       [http] [prefix] [prefix-engine] [tokenize] [window] [arch-tests] [arch] [fp8] [structured]
 #
 # arch-tests: the GPU tests of the small architectures' presets (fused and transformers' layers
 # against fp32) and of the layer ops they use. arch: load_tests.arch_bench over every preset
@@ -27,7 +27,7 @@ if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 source tests/gpu/require_server_stack.sh
-stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix prefix-engine tokenize window arch-tests arch fp8}
+stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix prefix-engine tokenize window arch-tests arch fp8 structured}
 want() { [[ " $stages " == *" $1 "* ]]; }
 summary=()
 t0=$(date +%s)
@@ -136,6 +136,14 @@ if want fp8; then
       --decode-step 8:32768 256:4096 1:128 --repeats 3 --out "$OUT/fp8_decode_step.json" 2>&1 \
       | tee "$OUT/fp8_decode_step.log" | grep -E '^\||decode step alone|KV pool|scales' | tail -12
   while read -r line; do summary+=("fp8 decode step: $line"); done < <(grep -E '^\| [0-9]' "$OUT/fp8_decode_step.log")
+fi
+if want structured; then
+  stamp "structured output: GPU test, then the engine with and without JSON schemas"
+  timeout 300 python3 -m pytest -q tests/gpu/test_structured_cuda.py 2>&1 | tee "$OUT/structured_tests.log" | tail -5
+  timeout 480 python3 -m load_tests.structured_bench --device cuda --model random:smollm2-135m --batch 1 64 \
+      --prompt-len 128 --new-tokens 256 --repeats 3 --out "$OUT/structured_bench.json" 2>&1 \
+      | tee "$OUT/structured_bench.log" | grep -E '^\||structured output|first token' | tail -8
+  while read -r line; do summary+=("structured: $line"); done < <(grep -E '^\| [0-9]|first token' "$OUT/structured_bench.log")
 fi
 stamp "done"
 printf '%s\n' "${summary[@]}"

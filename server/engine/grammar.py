@@ -1,0 +1,190 @@
+"""Constrained decoding through xgrammar: grammars compiled against the vocabulary (cached by their
+text, on a thread of their own), one matcher per request, and the per-step token bitmask.
+
+A request with a grammar waits outside the scheduler until its grammar is compiled; the others
+keep decoding meanwhile. Each step the bitmask rows of the constrained requests are filled on the
+CPU (xgrammar's batch matcher, on its threads) while the device runs the step's forward, copied to
+the device and applied to those rows of the logits only, before sampling. The end-of-sequence
+token is allowed exactly when the grammar accepts what was generated.
+"""
+
+import json
+import logging
+import os
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import xgrammar as xgr
+
+from .params import GrammarSpec
+
+log = logging.getLogger(__name__)
+
+# Whitespace only where JSON's usual separators put it (", " and ": "): a small model left free to
+# write whitespace can write nothing else until its token limit.
+JSON_OPTIONS = dict(any_whitespace=False, strict_mode=True)
+JSON_OBJECT = '{"type": "object"}'      # OpenAI's json_object: an object (xgrammar's builtin JSON is any value)
+FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+COMPILE_ERRORS = (RuntimeError, ValueError, TypeError)       # xgrammar's own errors derive from RuntimeError
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def _failure(spec: GrammarSpec, exc: Exception) -> ValueError:
+    """The library's message without its time stamp and source line."""
+    return ValueError(f"the {spec.kind} cannot be compiled: {_SOURCE_PREFIX.sub('', str(exc)).strip()}")
+
+
+# Formats xgrammar writes more loosely than their standards (it allows 2023-02-31 and 010.0.0.1):
+# replaced by patterns that admit only valid values (calendar and leap years included).
+_YEAR = r"([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (rf"({_YEAR}-(0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|{_YEAR}-(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+         rf"|{_YEAR}-02-(0[1-9]|1[0-9]|2[0-8])|{_LEAP_YEAR}-02-29)")
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]([.][0-9]{1,6}){0,1}(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9][0-9]|[0-9])"
+# written without "\." and "?": xgrammar 0.2.9 reads "(\.[0-9]{1,6})?" in a schema's pattern as if the
+# dot were optional
+# email: the common form, its local part at most 64 characters as RFC 5321 has it, at most four domain
+# labels of 32 (xgrammar's lets a model loop in the local part without end)
+_EMAIL = r"[A-Za-z0-9_%+-][A-Za-z0-9._%+-]{0,63}@[A-Za-z0-9-]{1,32}([.][A-Za-z0-9-]{1,32}){1,3}"
+EXACT_FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$",
+                 "ipv4": f"^({_OCTET}[.]){{3}}{_OCTET}$", "email": f"^{_EMAIL}$"}
+
+
+def _exact_formats(node):
+    if isinstance(node, list):
+        return [_exact_formats(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _exact_formats(v) for k, v in node.items()}
+    if node.get("format") in EXACT_FORMATS and "pattern" not in node:
+        node["pattern"] = EXACT_FORMATS[node.pop("format")]
+    return node
+
+
+def library_schema(text: str) -> str:
+    """The schema xgrammar compiles: ``EXACT_FORMATS`` in place of those formats."""
+    return json.dumps(_exact_formats(json.loads(text)))
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """A grammar whose only sentences are ``choices`` (vLLM's guided_choice)."""
+    if not choices:
+        raise ValueError("choice needs at least one string")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def parse_grammar(spec: GrammarSpec) -> xgr.Grammar:
+    """The grammar of ``spec``, without the vocabulary: what a front end checks a request with.
+    Raises ValueError naming the problem."""
+    try:
+        if spec.kind == "json_schema":
+            return xgr.Grammar.from_json_schema(library_schema(spec.text), **JSON_OPTIONS)
+        if spec.kind == "json_object":
+            return xgr.Grammar.from_json_schema(JSON_OBJECT, **JSON_OPTIONS)
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.text)
+        if spec.kind == "ebnf":
+            return xgr.Grammar.from_ebnf(spec.text)
+        if spec.kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(spec.text)
+    except COMPILE_ERRORS as exc:
+        raise _failure(spec, exc) from None
+    raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+
+class GrammarCompiler:
+    """Compiles grammars against the model's vocabulary on a thread of its own, each text once
+    (xgrammar's compiler keeps what it compiled)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._compiler: Future = self._executor.submit(self._make_compiler, tokenizer, vocab_size, sorted(stop_ids))
+
+    @staticmethod
+    def _make_compiler(tokenizer, vocab_size: int, stop_ids: list[int]) -> xgr.GrammarCompiler:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        return xgr.GrammarCompiler(info, max_threads=FILL_THREADS)
+
+    def compile(self, spec: GrammarSpec) -> Future:
+        """A future of the ``xgr.CompiledGrammar``; its exception, a ValueError naming the problem."""
+        return self._executor.submit(self._compile, spec)
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        compiler = self._compiler.result()
+        try:
+            if spec.kind == "json_schema":
+                return compiler.compile_json_schema(library_schema(spec.text), **JSON_OPTIONS)
+            if spec.kind == "json_object":
+                return compiler.compile_json_schema(JSON_OBJECT, **JSON_OPTIONS)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.text)
+            if spec.kind == "ebnf":
+                return compiler.compile_grammar(spec.text)
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.text)
+        except COMPILE_ERRORS as exc:
+            raise _failure(spec, exc) from None
+        raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def new_matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
+    return xgr.GrammarMatcher(compiled)
+
+
+class TokenMasks:
+    """The bitmask of a step's constrained rows: filled on the host, applied on the device.
+
+    Two host buffers take turns (pinned on CUDA), so a fill never overwrites a buffer whose copy
+    to the device may still be pending."""
+
+    def __init__(self, max_batch: int, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        pin = device.type == "cuda"
+        self._hosts = [xgr.allocate_token_bitmask(max_batch, vocab_size) for _ in range(2)]
+        self._rows = [torch.zeros(max_batch, dtype=torch.int32) for _ in range(2)]   # the constrained rows' indices
+        if pin:
+            self._hosts = [h.pin_memory() for h in self._hosts]
+            self._rows = [r.pin_memory() for r in self._rows]
+        self._device = xgr.allocate_token_bitmask(max_batch, vocab_size).to(device) if pin else None
+        self._turn = 0
+        self._batch = xgr.BatchGrammarMatcher(FILL_THREADS)
+
+    def fill(self, seqs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The bitmask for ``seqs`` on the device and the indices of the rows it constrains (those
+        with a live matcher; None: all), or None when no row is constrained."""
+        rows = [i for i, s in enumerate(seqs)
+                if s.matcher is not None and not s.is_finished and not s.matcher.is_terminated()]
+        if not rows:
+            return None
+        self._turn ^= 1
+        host = self._hosts[self._turn]
+        self._batch.batch_fill_next_token_bitmask([seqs[i].matcher for i in rows], host, indices=rows)
+        n = len(seqs)
+        indices = None
+        if len(rows) < n:
+            indices = self._rows[self._turn][:len(rows)]
+            indices.numpy()[:] = rows
+        if self._device is None:
+            return host[:n], indices
+        self._device[:n].copy_(host[:n], non_blocking=True)
+        return self._device[:n], indices            # xgrammar copies the (pinned) indices without waiting
+
+    def apply(self, logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        """Masked tokens' logits set to -inf, in place, on the rows ``fill`` named."""
+        bitmask, indices = mask
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+                                        indices=indices.tolist() if indices is not None and self._device is None else indices)
+
+    def warm_up(self) -> None:
+        """Applications with and without row indices, so the first constrained request does not
+        pay for the kernels' compilation."""
+        logits = torch.zeros(2, self.vocab_size, device=self.device)
+        bitmask = (self._device if self._device is not None else self._hosts[0])[:2]
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=self._rows[0][:1])
