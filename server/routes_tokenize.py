@@ -1,24 +1,28 @@
 """POST /tokenize (vLLM's body and answer, or TGI's when the body has ``inputs``) and POST /detokenize
 (vLLM's)."""
 
-from typing import Annotated
-
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from .generation import check_token_ids, encode_chat, encode_ids
-from .http_errors import ApiError
-from .schemas import ErrorResponse, NonEmptyText, Strict, Text, chat_template_messages
+from .http_errors import ApiError, require_json_body
+from .schemas import ErrorResponse, NonEmptyText, Strict, Text, chat_template_messages, integer
 from .schemas_openai import OpenAIChatMessage
 from .services import Services, get_services, ready_engine
 
-router = APIRouter(tags=["Tokenizer"])
-ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 422, 503)}
-TokenId = Annotated[int, Field(ge=0)]
+router = APIRouter(tags=["Tokenizer"], dependencies=[Depends(require_json_body)])
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 422, 503)}
+TokenId = integer(ge=0)
+_INPUTS = ("prompt", "messages", "inputs")
+# Exactly one of the three, as the document says it (the validator names the fields).
+_ONE_INPUT = {"oneOf": [{"required": [name], "properties": {
+    other: {"not": {"type": "null"}} if other == name else {"type": "null"} for other in _INPUTS}} for name in _INPUTS]}
 
 
 class TokenizeRequest(Strict):
+    model_config = ConfigDict(json_schema_extra=_ONE_INPUT)
+
     model: Text | None = Field(None, description="Optional; the served model's id if given.")
     prompt: Text | None = Field(None, description="Text to tokenize (vLLM). Give this, `messages` or `inputs`.")
     messages: list[OpenAIChatMessage] | None = Field(None, min_length=1, description=(
@@ -33,7 +37,7 @@ class TokenizeRequest(Strict):
 
     @model_validator(mode="after")
     def _one_input(self):
-        given = [name for name in ("prompt", "messages", "inputs") if getattr(self, name) is not None]
+        given = [name for name in _INPUTS if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of `prompt`, `messages` or `inputs`, not {given or 'none'}")
         return self
