@@ -35,7 +35,8 @@ ENGINE_FLAGS = {
 
 DTYPES = ("float32", "bfloat16", "float16")
 CPU_WEIGHTS = ("auto", "quantized", "float")    # models.CPU_WEIGHTS, without importing torch here
-KV_CACHE_DTYPES = ("auto", "fp8")               # server.engine.config.KV_CACHE_DTYPES
+KV_CACHE_DTYPES = ("auto", "int8")              # server.engine.config.KV_CACHE_DTYPES
+REMOVED_KV_CACHE_DTYPES = ("fp8",)              # server.engine.config.REMOVED_KV_CACHE_DTYPES says why
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -87,21 +88,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "a CUDA graph ('off': always eager; default 128,256,...,4096 on a GPU)")
     engine.add_argument("--cpu-weights", default=_env("cpu_weights"), choices=CPU_WEIGHTS,
                         help="CPU: run a GGUF's own quantised weights (auto: when the model has them) or float ones")
-    engine.add_argument("--kv-cache-dtype", default=_env("kv_cache_dtype"), choices=KV_CACHE_DTYPES,
-                        help="KV cache element type: auto (the model's dtype) or fp8 (float8_e4m3fn with "
-                             "per-layer, per-KV-head scales: half the bytes, twice the tokens)")
-    engine.add_argument("--kv-scales", default=_env("kv_scales"),
-                        help="fp8 cache: a JSON file of the K/V scales (default: calibrated at start-up "
-                             "from a prefill of models/calibration.txt)")
+    engine.add_argument("--kv-cache-dtype", default=_env("kv_cache_dtype"),
+                        help="KV cache element type: auto (the model's dtype) or int8 (codes with a scale per "
+                             "token and KV head: about half the bytes, 1.9x the tokens or more)")
     engine.add_argument("--api-workers", type=api_workers_arg, default=_env("api_workers", "auto"),
                         help="HTTP worker processes in front of the one engine process; queue limits apply "
                              "per worker (default auto: on a GPU one per 4 CPU cores, at most 4; on the CPU 1)")
     engine.add_argument("--engine-thread", action="store_true", default=_env("engine_thread") == "1",
                         help="run the engine in a thread of the server process instead of a process of its own")
     args = p.parse_args(argv)
+    if args.kv_cache_dtype in REMOVED_KV_CACHE_DTYPES:
+        p.error(f"argument --kv-cache-dtype: {args.kv_cache_dtype!r} was removed (the e4m3 cache moved SmolLM2's "
+                f"predictions 15x as far as the bf16 cache's own rounding); use --kv-cache-dtype int8")
+    if args.kv_cache_dtype is not None and args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        p.error(f"argument --kv-cache-dtype: invalid choice {args.kv_cache_dtype!r} "
+                f"(choose from {', '.join(KV_CACHE_DTYPES)})")
     for flag, value, choices in (("--dtype", args.dtype, DTYPES), ("--log-level", args.log_level, LOG_LEVELS),
-                                 ("--cpu-weights", args.cpu_weights, CPU_WEIGHTS),
-                                 ("--kv-cache-dtype", args.kv_cache_dtype, KV_CACHE_DTYPES)):
+                                 ("--cpu-weights", args.cpu_weights, CPU_WEIGHTS)):
         if value is not None and value not in choices:     # argparse checks flags, not defaults
             p.error(f"argument {flag}: invalid choice {value!r} from the environment "
                     f"(choose from {', '.join(choices)})")
@@ -166,8 +169,6 @@ def engine_options(args: argparse.Namespace) -> dict:
         options["cpu_weights"] = args.cpu_weights
     if args.kv_cache_dtype is not None:
         options["kv_cache_dtype"] = args.kv_cache_dtype
-    if args.kv_scales is not None:
-        options["kv_scales_path"] = args.kv_scales
     if args.prefill_graph_buckets is not None:
         options["prefill_graph_buckets"] = args.prefill_graph_buckets   # argparse parses a string default too
     return options
