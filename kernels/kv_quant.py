@@ -8,8 +8,8 @@ capped at ``SCALE_MAX`` and rounded up to float16 (so that no element maps past 
 0 and codes 0. A row reads back as ``code * scale``. The CUDA writes (``write_kv``,
 ``rope_write_kv``) compute exactly this, so tests compare them bit for bit.
 
-The cap keeps ``P * scale * 256`` (the kernel's P V operand, csrc/int8.cuh) inside float16:
-rows with an element above 127 * 255 = 32385 in magnitude saturate there.
+The cap keeps ``code * scale`` (the kernel's V operand, csrc/int8.cuh) inside float16: rows
+with an element above 127 * 512 = 65024 in magnitude saturate there.
 """
 
 import torch
@@ -17,7 +17,7 @@ import torch
 INT8 = torch.int8
 INT8_MAX = 127.0
 SCALE_DTYPE = torch.float16
-SCALE_MAX = 255.0
+SCALE_MAX = 512.0
 
 
 def is_int8(cache: torch.Tensor) -> bool:

@@ -33,8 +33,7 @@ void check_cache_pair(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 }
 
 // An int8 cache's row scales: k_scale and v_scale, both contiguous, 16-byte aligned float16
-// [num_blocks, Hkv, block_size] on the caches' device; the caches of any other type take neither.
-// Returns the caches' KV type.
+// [num_blocks, Hkv, block_size] on the caches' device; other caches take neither. Returns the KV type.
 KvDType check_kv_scales(const at::Tensor& k_cache, const std::optional<at::Tensor>& k_scale,
                         const std::optional<at::Tensor>& v_scale) {
   const bool int8 = k_cache.scalar_type() == at::kChar;
@@ -45,9 +44,7 @@ KvDType check_kv_scales(const at::Tensor& k_cache, const std::optional<at::Tenso
   if (!int8) return KvDType::kSameAsQuery;
   for (const at::Tensor* t : {&*k_scale, &*v_scale}) {
     check_cuda(*t, "k_scale/v_scale", k_cache.device());
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->size(0) == k_cache.size(0) &&
-                    t->size(1) == k_cache.size(1) && t->size(2) == k_cache.size(2) && t->is_contiguous() &&
-                    aligned16(*t),
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->sizes() == k_cache.sizes().slice(0, 3) && t->is_contiguous() && aligned16(*t),
                 "k_scale and v_scale must be contiguous, 16-byte aligned float16 [num_blocks=", k_cache.size(0),
                 ", Hkv=", k_cache.size(1), ", block_size=", k_cache.size(2), "], got ", t->scalar_type(), " ",
                 t->sizes());

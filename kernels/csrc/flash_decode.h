@@ -57,7 +57,7 @@ enum class DType : int { kBFloat16 = 0, kHalf = 1 };
 enum class KvDType : int { kSameAsQuery = 0, kInt8 = 1 };
 // The largest int8 code, and the largest row scale (rows of larger magnitudes saturate).
 constexpr float kInt8Max = 127.f;
-constexpr float kInt8ScaleMax = 255.f;
+constexpr float kInt8ScaleMax = 512.f;
 
 struct DecodeParams {
   const void* q;                  // [B, Hq, D]; last dim contiguous, strides in elements

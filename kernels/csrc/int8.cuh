@@ -15,11 +15,9 @@
 
 namespace flashdecode {
 
-// The split kernel multiplies P by the V scales before packing it to fp16 and folds this factor
-// in, so that small products stay clear of fp16's subnormals; the epilogue divides it out. With
-// scales capped at kInt8ScaleMax, P * scale * kInt8PFold stays below fp16's largest value.
-inline constexpr float kInt8PFold = 256.f;
-static_assert(kInt8ScaleMax * kInt8PFold < 65504.f, "P * v_scale * fold must fit in fp16");
+// The split kernel multiplies each V row's codes by its scale in fp16 (the product rounded once,
+// as plain fp16 attention over the dequantised cache rounds it); the cap keeps it finite.
+static_assert(kInt8Max * kInt8ScaleMax <= 65504.f, "code * scale must fit in fp16");
 
 // Four int8 codes -> two words of two fp16 holding the codes exactly. code ^ 0x80 is code + 128
 // as an unsigned byte; under the exponent byte 0x64 it makes the fp16 1024 + code + 128 (fp16's

@@ -133,10 +133,9 @@ constexpr int kRopeWarps = 8;                          // heads a block of rope_
 constexpr int kRopePerLane = kMaxRopeHeadDim / 32;     // elements of a head per lane
 constexpr int kRopeMaxPairs = kRopePerLane / 2;
 
-// One head's row of the cache, held by a warp: this lane's x[i] goes to column col(i) (none
-// where col(i) < 0). Stored as it is, or for int8 caches (KV = int8_t) as codes at the row's
-// scale, which the warp reduces and lane 0 stores at ``row`` of ``scales`` (int8.cuh). Every lane
-// of the warp calls it.
+// A head's cache row, held by a warp (every lane calls it): this lane's x[i] goes to column
+// col(i) (none where col(i) < 0), as it is, or for int8 caches (KV = int8_t) as codes at the
+// row's scale, which the warp reduces and lane 0 stores at ``row`` of ``scales`` (int8.cuh).
 template <typename T, typename KV, typename Col>
 __device__ __forceinline__ void store_row(const T (&x)[kRopePerLane], Col col, KV* dst, void* scales, int64_t row) {
   if constexpr (std::is_same_v<T, KV>) {
@@ -150,10 +149,9 @@ __device__ __forceinline__ void store_row(const T (&x)[kRopePerLane], Col col, K
       if (col(i) >= 0) amax = fmaxf(amax, fabsf(to_float(x[i])));
     for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     const __half scale = int8_row_scale(amax);
-    const float s = __half2float(scale);
 #pragma unroll
     for (int i = 0; i < kRopePerLane; ++i)
-      if (col(i) >= 0) dst[col(i)] = quantize_int8(to_float(x[i]), s);
+      if (col(i) >= 0) dst[col(i)] = quantize_int8(to_float(x[i]), __half2float(scale));
     if (threadIdx.x % 32 == 0) static_cast<__half*>(scales)[row] = scale;
   }
 }
@@ -177,7 +175,7 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
   T* h = static_cast<T*>(p.qkv) + t * p.qkv_stride + int64_t(head) * d;
   const int64_t slot = p.slots_are_int64 ? static_cast<const int64_t*>(p.slot_mapping)[t]
                                          : static_cast<const int32_t*>(p.slot_mapping)[t];
-  // the cache row (token, KV head) of this slot: its index among the rows, of D elements each
+  // the index of the cache row (token, KV head) of this slot, rows of D elements each
   auto cache_row = [&](int kv_head) { return (slot / p.block_size * hkv + kv_head) * p.block_size + slot % p.block_size; };
 
   if (head >= hq + hkv) {  // a value head
@@ -235,10 +233,7 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
   }
   if (head >= hq && slot >= 0) {
     const int64_t row = cache_row(head - hq);
-    auto col = [&](int i) {
-      const int j = lane + 32 * (i % kRopeMaxPairs);
-      return j < half ? j + (i < kRopeMaxPairs ? 0 : half) : -1;
-    };
+    auto col = [&](int i) { const int j = lane + 32 * (i % kRopeMaxPairs); return j < half ? j + (i / kRopeMaxPairs) * half : -1; };
     store_row<T, KV>(y, col, static_cast<KV*>(p.k_cache) + row * d, p.k_scale, row);
   }
 }

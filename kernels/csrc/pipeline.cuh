@@ -13,9 +13,9 @@
 // and V row scales (2 bytes a token each), and the ring twice the stages, so about the same bytes
 // are in flight. A thread's 16-byte load then holds 16 codes, the columns of two 8-column groups
 // (fragment_col); they become fp16 in registers exactly (int8.cuh) and the MMAs run in fp16
-// whatever q's type. The K scales multiply each token's scores; the V scales multiply P (after
-// the softmax sums, which they do not enter) before it is packed for P V, with kInt8PFold folded
-// in and divided out in the epilogue. Accumulation is in FP32 as for bf16 caches.
+// whatever q's type. The K scales multiply each token's scores (in fp32); a V row's codes are
+// multiplied by its scale in fp16 before P V, each product rounded once, as plain fp16 attention
+// over the dequantised cache would round it. Accumulation is in FP32 as for bf16 caches.
 #pragma once
 
 #include "common.cuh"
@@ -113,6 +113,22 @@ __device__ __forceinline__ void load_row(const KV* row, int qd, uint4 (&f)[D / 3
   } else {
 #pragma unroll
     for (int j = 0; j < D / 32; ++j) f[j] = *reinterpret_cast<const uint4*>(row + fragment_col<KV>(j, qd));
+  }
+}
+
+// int8 caches: a V row's fragments times the row's scale (in fp16, each product rounded once).
+template <int N>
+__device__ __forceinline__ void scale_fragments(uint4 (&f)[N], __half scale) {
+  const __half2 s = __half2half2(scale);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    uint32_t w[4] = {f[j].x, f[j].y, f[j].z, f[j].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&w[i]), s);
+      w[i] = *reinterpret_cast<const uint32_t*>(&x);
+    }
+    f[j] = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -250,8 +266,7 @@ __device__ __forceinline__ float softmax_step(float& m, float& l, float (&x)[N])
 // One consumer warp's pass over the split: online softmax state (m, l) per query-head row
 // (this thread's rows r and r + 8) and the output fragments o, unnormalised. The warp owns W
 // tokens of each tile, in pieces of 8 (h); P V takes them 16 at a time (kk). Without kHi the
-// block serves at most eight query heads: rows r + 8 are padding and get no softmax work. With
-// int8 caches o holds kInt8PFold times P V: the epilogue divides it out.
+// block serves at most eight query heads: rows r + 8 are padding and get no softmax work.
 template <typename T, typename KV, int D, int W, bool kHi>
 __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
                                         uint8_t* ring,
@@ -287,17 +302,16 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
       if (lane == 0) mbar_arrive(&empty[stage]);
       continue;
     }
-    // int8 caches: the scales of this thread's score columns, tokens t_warp + 8 h + 2 qd + {0, 1};
-    // the V scales times kInt8PFold
-    float2 k_sc[kPieces], v_sc[kPieces];
+    // int8 caches: the K scales of this thread's score columns (tokens t_warp + 8 h + 2 qd + {0, 1})
+    // and the V scales of its V rows (tokens t_warp + 8 h + r)
+    float2 k_sc[kPieces];
+    __half v_sc[kPieces];
     if constexpr (is_int8<KV>()) {
-      const __half* scales = stage_scales<KV, D>(ring, stage) + warp * W + 2 * qd;
+      const __half* scales = stage_scales<KV, D>(ring, stage) + warp * W;
 #pragma unroll
       for (int h = 0; h < kPieces; ++h) {
-        k_sc[h] = __half22float2(*reinterpret_cast<const __half2*>(scales + 8 * h));
-        v_sc[h] = __half22float2(*reinterpret_cast<const __half2*>(scales + kTile + 8 * h));
-        v_sc[h].x *= kInt8PFold;
-        v_sc[h].y *= kInt8PFold;
+        k_sc[h] = __half22float2(*reinterpret_cast<const __half2*>(scales + 8 * h + 2 * qd));
+        v_sc[h] = scales[kTile + 8 * h + r];
       }
     }
     float s[kPieces][4];
@@ -315,7 +329,10 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
     uint4 v[kPieces][S::kGroups];
     if constexpr (!S::kLateV) {
 #pragma unroll
-      for (int h = 0; h < kPieces; ++h) load_row<KV, D>(v_tile + (8 * h + r) * D, qd, v[h]);
+      for (int h = 0; h < kPieces; ++h) {
+        load_row<KV, D>(v_tile + (8 * h + r) * D, qd, v[h]);
+        if constexpr (is_int8<KV>()) scale_fragments(v[h], v_sc[h]);
+      }
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[stage]);
     }
@@ -342,11 +359,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
           const int t = t_warp + 8 * h + 2 * qd + (c & 1);
           if (t >= w.end || t < w.first) s[h][c] = kNegInf;
         }
-        if constexpr (is_int8<KV>()) {  // a dead token's scale may be NaN, and 0 * NaN is NaN
-          const int t = t_warp + 8 * h + 2 * qd;
-          if (t >= w.end || t < w.first) v_sc[h].x = 0.f;
-          if (t + 1 >= w.end || t + 1 < w.first) v_sc[h].y = 0.f;
-        }
+
         const int t = t_warp + 8 * h + r;
         dead[h] = t >= w.end || t < w.first;
         if constexpr (!S::kLateV)
@@ -363,13 +376,6 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
     }
     const float alpha_lo = softmax_step(m_lo, l_lo, lo);
     const float alpha_hi = kHi ? softmax_step(m_hi, l_hi, hi) : 1.f;
-    if constexpr (is_int8<KV>()) {
-#pragma unroll
-      for (int h = 0; h < kPieces; ++h) {
-        lo[2 * h] *= v_sc[h].x, lo[2 * h + 1] *= v_sc[h].y;
-        if constexpr (kHi) hi[2 * h] *= v_sc[h].x, hi[2 * h + 1] *= v_sc[h].y;
-      }
-    }
     uint32_t pa[W / 16][4];  // P as the A fragments of each 16 tokens
 #pragma unroll
     for (int kk = 0; kk < W / 16; ++kk) {
@@ -382,10 +388,17 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
     for (int j = 0; j < S::kGroups; ++j) {
       uint4 vj[kPieces];
 #pragma unroll
-      for (int h = 0; h < kPieces; ++h)
-        vj[h] = !S::kLateV ? v[h][j]
-                : dead[h]  ? zero
-                           : load_group<KV>(v_tile + (8 * h + r) * D, j, qd);
+      for (int h = 0; h < kPieces; ++h) {
+        if constexpr (!S::kLateV) {
+          vj[h] = v[h][j];
+        } else if (dead[h]) {
+          vj[h] = zero;
+        } else {
+          uint4 g[1] = {load_group<KV>(v_tile + (8 * h + r) * D, j, qd)};
+          if constexpr (is_int8<KV>()) scale_fragments(g, v_sc[h]);
+          vj[h] = g[0];
+        }
+      }
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         o[j][c][0] *= alpha_lo;

@@ -85,7 +85,6 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
   __syncthreads();  // every consumer's state is in and every stage is drained
 
   if (consumer) {  // rescale to the block's max and normalise, into o_smem[warp][row][:]
-    constexpr float v_mult = is_int8<KV>() ? 1.f / kInt8PFold : 1.f;  // int8 caches: o holds kInt8PFold P V
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       if (half == 1 && w.rows <= 8) break;  // rows r + 8 are padding
@@ -97,7 +96,7 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
       float total = 0.f;
 #pragma unroll
       for (int k = 0; k < kConsumerWarps; ++k) total += warp_sum[k][row] * exp2_approx(warp_max[k][row] - base);
-      const float factor = total > 0.f ? __fdividef(exp2_approx((half ? m_hi : m_lo) - base), total) * v_mult : 0.f;
+      const float factor = total > 0.f ? __fdividef(exp2_approx((half ? m_hi : m_lo) - base), total) : 0.f;
       if (warp == 0 && qd == 0) row_lse[row] = total > 0.f ? (base + __log2f(total)) * kLn2 : kNegInf;
       float* dst = o_smem + (warp * kRows + row) * S::kOStride;
 #pragma unroll
