@@ -123,7 +123,7 @@ if want int8; then
   parts=" ${INT8_PARTS:-tests accuracy kernel engine} "
   if [[ $parts == *" tests "* ]]; then
     stamp "int8 KV cache: GPU tests"
-    timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_kv_int8_cuda.py tests/gpu/test_read_kv_cuda.py \
+    timeout 180 python3 -m pytest -q -m gpu tests/gpu/test_kv_int8_cuda.py tests/gpu/test_read_kv_cuda.py \
         -p no:cacheprovider -rs 2>&1 | tee "$OUT/int8_tests.log" | tail -25
     summary+=("int8 tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/int8_tests.log" | tail -1)")
   fi
@@ -144,7 +144,7 @@ if want int8; then
   fi
   if [[ $parts == *" engine "* ]]; then
     stamp "int8 KV cache: engine decode step alone, bf16 vs int8 cache"
-    timeout 150 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m --kv-cache-dtype auto int8 \
+    timeout 120 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m --kv-cache-dtype auto int8 \
         --decode-step 8:32768 256:4096 1:128 --repeats 2 --out "$OUT/int8_decode_step.json" 2>&1 \
         | tee "$OUT/int8_decode_step.log" | grep -E '^\||decode step alone|KV pool' | tail -12
     while read -r line; do summary+=("int8 decode step: $line"); done < <(grep -E '^\| [0-9]' "$OUT/int8_decode_step.log")
