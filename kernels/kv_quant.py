@@ -69,7 +69,9 @@ def _round_up_to_half(x: torch.Tensor) -> torch.Tensor:
 def row_scales(x: torch.Tensor) -> torch.Tensor:
     """float16 scales of the rows of ``x`` (its last dim): ``amax / 127``, capped and rounded up."""
     amax = x.float().abs().amax(dim=-1)
-    return _round_up_to_half(torch.clamp(amax / INT8_MAX, max=SCALE_MAX))
+    # a tensor divisor: torch divides a CUDA tensor by a Python number as a product with its
+    # reciprocal, which can differ from the division in the last bit
+    return _round_up_to_half(torch.clamp(amax / torch.full_like(amax, INT8_MAX), max=SCALE_MAX))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
