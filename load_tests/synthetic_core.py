@@ -58,7 +58,7 @@ def synthetic_core_main(model, dtype, device, config, request_readers, outboxes,
                 router.broadcast(("stopped",))
                 return
             if kind == "add":
-                request_id, prompt_ids, params, _ = payload
+                request_id, prompt_ids, params = payload[:3]
                 running[request_id] = _Request(len(prompt_ids), params.max_new_tokens, now)
             elif kind == "abort" and payload in running:
                 events.append((payload, _finish(running.pop(payload), "abort", now)))

@@ -6,11 +6,12 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 
-from . import routes_openai, routes_ops, routes_tgi
+from . import routes_gateway, routes_openai, routes_ops, routes_playground, routes_tgi, routes_tokenize
 from .http_errors import install_error_handlers
 from .metrics import Metrics
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
@@ -20,7 +21,8 @@ from .sse import EVENT_MODELS
 
 log = logging.getLogger("server.app")
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health"}) | routes_playground.PATHS
+DOCS_STATIC_URL = "/docs/static"
 
 
 def create_app(engine=None, settings: Settings | None = None, *,
@@ -54,13 +56,18 @@ def create_app(engine=None, settings: Settings | None = None, *,
             if running is not None:
                 await run_in_threadpool(running.shutdown)
 
-    app = FastAPI(title="flashdecode server", version="0.1.0", lifespan=lifespan,
-                  description="LLM text generation with TGI-style and OpenAI-compatible APIs.")
+    # /docs and /redoc from the package's own copies of Swagger UI and ReDoc: no CDN, so they work offline
+    app = FastAPIOffline(title="flashdecode server", version="0.1.0", lifespan=lifespan,
+                         description="LLM text generation with TGI-style and OpenAI-compatible APIs.",
+                         static_url=DOCS_STATIC_URL)
     app.state.services = services
     install_error_handlers(app)
     app.include_router(routes_tgi.router)
     app.include_router(routes_openai.router)
+    app.include_router(routes_tokenize.router)
     app.include_router(routes_ops.router)
+    app.include_router(routes_gateway.router)
+    app.include_router(routes_playground.router)
 
     # Added innermost first: request context, then API key, then the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

@@ -1,11 +1,14 @@
 """``python -m server``: serve a model over HTTP (the command line; ``__main__.py`` runs it).
 
-Every option also reads an environment variable (HOST, PORT, MODEL, API_KEY, ...: the option's
-name in upper case with '-' as '_'); a command-line flag wins over the environment.
+Every option also reads an environment variable: FLASHDECODE_ and the option's name in upper case
+with '-' as '_' (FLASHDECODE_MODEL, FLASHDECODE_API_KEY, FLASHDECODE_MAX_BATCH, ...; switches take
+1 or 0); a command-line flag wins over the environment. An unknown FLASHDECODE_ variable or an
+invalid value stops the start with one error naming them all.
 """
 
 import argparse
 import dataclasses
+import difflib
 import logging
 import os
 import sys
@@ -39,76 +42,129 @@ KV_CACHE_DTYPES = ("auto", "int8")              # server.engine.config.KV_CACHE_
 REMOVED_KV_CACHE_DTYPES = ("fp8",)              # server.engine.config.REMOVED_KV_CACHE_DTYPES says why
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
+ENV_PREFIX = "FLASHDECODE_"
+# Variables with the prefix read elsewhere, not options: the model and kernel cache folder
+# (models/loader.py, kernels/build.py) and the engine core's profile (server/engine/process.py).
+OTHER_VARIABLES = frozenset({"FLASHDECODE_CACHE", "FLASHDECODE_CORE_PROFILE"})
+SWITCH_ON, SWITCH_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
-def _env(name: str, default=None):
-    """The environment's value for an option (an empty one counts as unset)."""
-    return os.environ.get(name.upper().replace("-", "_")) or default
 
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> argparse.Namespace:
+    """The options from ``argv`` over those from ``FLASHDECODE_*`` variables of ``environ``
+    (default ``os.environ``) over the defaults."""
     d = Settings()
     p = argparse.ArgumentParser(prog="python -m server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default=_env("host", d.host), help="bind address (default %(default)s)")
-    p.add_argument("--port", type=int, default=_env("port", str(d.port)), help="(default %(default)s)")
-    p.add_argument("--model", default=_env("model", d.model),
+    p.add_argument("--host", default=d.host, help="bind address (default %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="(default %(default)s)")
+    p.add_argument("--model", default=d.model,
                    help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder, a .gguf "
                         "file or random:<preset>")
-    p.add_argument("--dtype", default=_env("dtype"), choices=DTYPES,
-                   help="default: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--device", default=_env("device", "auto"), help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--api-key", default=_env("api_key"),
-                   help="require 'Authorization: Bearer <key>' on everything but /health")
-    p.add_argument("--max-body-bytes", type=int, default=_env("max_body_bytes", str(d.max_body_bytes)),
+    p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on everything but /health")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="larger request bodies answer 413 (default %(default)s)")
-    p.add_argument("--max-prompt-tokens", type=int, default=_env("max_prompt_tokens"),
+    p.add_argument("--max-prompt-tokens", type=int,
                    help="longest prompt accepted (default: the context length less one)")
-    p.add_argument("--default-max-new-tokens", type=int,
-                   default=_env("default_max_new_tokens", str(d.default_max_new_tokens)),
+    p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens,
                    help="tokens generated when a TGI or chat request names no limit "
                         "(/v1/completions: OpenAI's 16, or this if lower)")
-    p.add_argument("--log-prompts", action="store_true", default=_env("log_prompts") == "1",
+    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help="most log-probabilities per position a request may ask for (logprobs, top_logprobs, "
+                        "prompt_logprobs; at most 20; default %(default)s)")
+    p.add_argument("--max-n", type=int, default=d.max_n,
+                   help="most choices per prompt a request may ask for (n; at most 16; default %(default)s)")
+    p.add_argument("--log-prompts", action="store_true",
                    help="debug: write prompts and generated text into the logs")
-    p.add_argument("--log-level", default=_env("log_level", d.log_level),
-                   choices=LOG_LEVELS)
-    p.add_argument("--shutdown-timeout", type=float,
-                   default=_env("shutdown_timeout", str(d.shutdown_timeout)),
+    p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="on SIGTERM or SIGINT, seconds running requests may take to finish before the "
                         "server ends them; new requests get 503 meanwhile (default %(default)s)")
     engine = p.add_argument_group("engine sizing")
     for name, (kind, help_text) in ENGINE_FLAGS.items():
-        flag = "--" + name.replace("_", "-")
-        engine.add_argument(flag, type=kind, default=_env(name) or None, help=help_text)
+        engine.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)
     engine.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
-    engine.add_argument("--no-prefix-caching", action="store_true", default=_env("no_prefix_caching") == "1",
+    engine.add_argument("--no-prefix-caching", action="store_true",
                         help="prefill every prompt whole instead of reusing cached KV blocks of earlier requests")
-    engine.add_argument("--prefill-graph-buckets", default=_env("prefill_graph_buckets"),
-                        type=lambda v: () if v in ("", "off") else tuple(int(x) for x in v.split(",") if x),
+    engine.add_argument("--prefill-graph-buckets", type=graph_buckets_arg,
                         help="comma-separated token counts: whole prompts packed up to one of these replay "
                              "a CUDA graph ('off': always eager; default 128,256,...,4096 on a GPU)")
-    engine.add_argument("--cpu-weights", default=_env("cpu_weights"), choices=CPU_WEIGHTS,
+    engine.add_argument("--cpu-weights", choices=CPU_WEIGHTS,
                         help="CPU: run a GGUF's own quantised weights (auto: when the model has them) or float ones")
-    engine.add_argument("--kv-cache-dtype", default=_env("kv_cache_dtype"),
+    engine.add_argument("--kv-cache-dtype", type=kv_cache_dtype_arg,
                         help="KV cache element type: auto (the model's dtype) or int8 (codes with a scale per "
                              "token and KV head: about half the bytes, 1.9x the tokens or more)")
-    engine.add_argument("--api-workers", type=api_workers_arg, default=_env("api_workers", "auto"),
+    engine.add_argument("--api-workers", type=api_workers_arg, default="auto",
                         help="HTTP worker processes in front of the one engine process; queue limits apply "
                              "per worker (default auto: on a GPU one per 4 CPU cores, at most 4; on the CPU 1)")
-    engine.add_argument("--engine-thread", action="store_true", default=_env("engine_thread") == "1",
+    engine.add_argument("--engine-thread", action="store_true",
                         help="run the engine in a thread of the server process instead of a process of its own")
-    args = p.parse_args(argv)
-    if args.kv_cache_dtype in REMOVED_KV_CACHE_DTYPES:
-        p.error(f"argument --kv-cache-dtype: {args.kv_cache_dtype!r} was removed (the e4m3 cache moved SmolLM2's "
-                f"predictions 15x as far as the bf16 cache's own rounding); use --kv-cache-dtype int8")
-    if args.kv_cache_dtype is not None and args.kv_cache_dtype not in KV_CACHE_DTYPES:
-        p.error(f"argument --kv-cache-dtype: invalid choice {args.kv_cache_dtype!r} "
-                f"(choose from {', '.join(KV_CACHE_DTYPES)})")
-    for flag, value, choices in (("--dtype", args.dtype, DTYPES), ("--log-level", args.log_level, LOG_LEVELS),
-                                 ("--cpu-weights", args.cpu_weights, CPU_WEIGHTS)):
-        if value is not None and value not in choices:     # argparse checks flags, not defaults
-            p.error(f"argument {flag}: invalid choice {value!r} from the environment "
-                    f"(choose from {', '.join(choices)})")
-    return args
+    env_argv = environment_argv(p, os.environ if environ is None else environ)
+    return p.parse_args(env_argv + list(sys.argv[1:] if argv is None else argv))
+
+
+def env_name(action: argparse.Action) -> str:
+    """FLASHDECODE_MAX_BATCH for --max-batch."""
+    return ENV_PREFIX + action.option_strings[0].removeprefix("--").replace("-", "_").upper()
+
+
+def environment_argv(parser: argparse.ArgumentParser, environ) -> list[str]:
+    """The ``FLASHDECODE_*`` variables as flags, put before the command line's so that its own
+    win. Every unknown name and every invalid value is named in one error (exit status 2); an
+    empty value counts as unset. Variables without the prefix are never read."""
+    options = {env_name(a): a for a in parser._actions if a.option_strings and a.dest != "help"}
+    argv, problems = [], []
+    for name, value in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or name in OTHER_VARIABLES:
+            continue
+        action = options.get(name)
+        if action is None:
+            close = difflib.get_close_matches(name, list(options) + sorted(OTHER_VARIABLES), n=1)
+            problems.append(f"{name} is not a setting of this server"
+                            + (f" (did you mean {close[0]}?)" if close else ""))
+        elif value == "":
+            continue
+        elif action.nargs == 0:                   # a switch such as --no-prefix-caching
+            if value.lower() in SWITCH_ON:
+                argv.append(action.option_strings[0])
+            elif value.lower() not in SWITCH_OFF:
+                problems.append(f"{name}={value!r}: give 1 or 0 (true/false)")
+        else:
+            problem = _check_value(action, value)
+            if problem:
+                problems.append(f"{name}={value!r}: {problem}")
+            argv += [action.option_strings[0], value]
+    if problems:
+        parser.error("invalid environment: " + "; ".join(problems))
+    return argv
+
+
+def _check_value(action: argparse.Action, value: str) -> str | None:
+    try:
+        converted = action.type(value) if action.type is not None else value
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+        detail = str(exc) if isinstance(exc, argparse.ArgumentTypeError) else \
+            f"not a valid {getattr(action.type, '__name__', 'value')}"
+        return f"{detail} (as {action.option_strings[0]})"
+    if action.choices is not None and converted not in action.choices:
+        return f"choose from {', '.join(action.choices)} (as {action.option_strings[0]})"
+    return None
+
+
+def graph_buckets_arg(value: str) -> tuple[int, ...]:
+    if value in ("", "off"):
+        return ()
+    return tuple(int(x) for x in value.split(",") if x)
+
+
+def kv_cache_dtype_arg(value: str) -> str:
+    if value in REMOVED_KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(f"{value!r} was removed (the e4m3 cache moved SmolLM2's predictions 15x "
+                                         f"as far as the bf16 cache's own rounding); use int8")
+    if value not in KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(KV_CACHE_DTYPES)}, not {value!r}")
+    return value
 
 
 def api_workers_arg(value: str) -> int | str:
@@ -155,6 +211,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     device=resolve_device(args.device), api_key=args.api_key or None,
                     max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                     default_max_new_tokens=args.default_max_new_tokens,
+                    max_logprobs=args.max_logprobs, max_n=args.max_n,
                     log_prompts=args.log_prompts, log_level=args.log_level,
                     shutdown_timeout=args.shutdown_timeout)
 

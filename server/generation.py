@@ -47,6 +47,11 @@ async def _encode(engine, text: str, add_special_tokens: bool, shared: bool) -> 
     return await run_in_threadpool(encoder.run, work)
 
 
+async def encode_ids(engine, text: str, add_special_tokens: bool) -> list[int]:
+    """The ids of ``text`` (the tokenize route's), encoded as prompts are."""
+    return (await _encode(engine, text, add_special_tokens, True))[0]
+
+
 async def encode_text(engine, text: str, shared: bool = True) -> Prompt:
     """``shared``: see ``PromptEncoder.prepare`` (False for a request with a cache_salt)."""
     started, started_epoch = time.perf_counter(), time.time()
@@ -89,14 +94,14 @@ def resolve_max_new_tokens(requested: int | None, prompt_len: int, max_model_len
     prompt_limit = min(max_prompt_tokens or max_model_len - 1, max_model_len - 1)
     if prompt_len > prompt_limit:
         raise ApiError(400, f"the prompt has {prompt_len} tokens, over the limit of {prompt_limit} "
-                            f"(context length {max_model_len})", param="inputs")
+                            f"(context length {max_model_len})", param="inputs", reason="too_long")
     room = max_model_len - prompt_len
     if requested is None:
         return min(default, room)
     if requested > room:
         raise ApiError(400, f"the prompt ({prompt_len} tokens) plus {param} ({requested}) is "
                             f"{prompt_len + requested} tokens, over the context length of "
-                            f"{max_model_len} tokens", param=param)
+                            f"{max_model_len} tokens", param=param, reason="too_long")
     return requested
 
 
@@ -107,7 +112,10 @@ def sampling_params(engine, *, max_new_tokens: int, temperature: float, top_p: f
                     top_k: int | None, repetition_penalty: float | None, seed: int | None,
                     stop: tuple[str, ...], logprobs: bool, ignore_eos: bool, min_tokens: int = 0,
                     stop_token_ids: tuple[int, ...] = (), cache_salt: str | None = None,
-                    include_stop_str_in_output: bool = False) -> SamplingParams:
+                    include_stop_str_in_output: bool = False, top_logprobs: int = 0,
+                    prompt_logprobs: int | None = None, presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0,
+                    logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
     """SamplingParams with degenerate values made plain: a top_k at or past the vocabulary
     (or vLLM's -1) is no cut, a vanishing temperature is greedy."""
     top_k = top_k or 0
@@ -117,13 +125,20 @@ def sampling_params(engine, *, max_new_tokens: int, temperature: float, top_p: f
         raise ApiError(400, f"min_tokens ({min_tokens}) is more than the tokens to generate "
                             f"({max_new_tokens})", param="min_tokens")
     check_token_ids(stop_token_ids, len(engine.tokenizer), param="stop_token_ids")
+    vocab = len(engine.tokenizer)
+    bad = next((i for i, _ in logit_bias if i >= vocab), None)
+    if bad is not None:
+        raise ApiError(422, f"logit_bias names token id {bad}, outside the vocabulary (0..{vocab - 1})",
+                       param="logit_bias")
     return SamplingParams(max_new_tokens=max_new_tokens,
                           temperature=0.0 if temperature < SAMPLING_EPS else temperature,
                           top_p=1.0 if top_p is None else top_p, top_k=top_k,
                           repetition_penalty=repetition_penalty or 1.0, seed=seed, stop=stop,
                           logprobs=logprobs, ignore_eos=ignore_eos, min_tokens=min_tokens,
                           stop_token_ids=frozenset(stop_token_ids), cache_salt=cache_salt,
-                          include_stop_str_in_output=include_stop_str_in_output)
+                          include_stop_str_in_output=include_stop_str_in_output, top_logprobs=top_logprobs,
+                          prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty or 0.0,
+                          frequency_penalty=frequency_penalty or 0.0, logit_bias=logit_bias)
 
 
 def finite_or_none(x: float | None) -> float | None:
@@ -270,18 +285,19 @@ class Generation:
 
 
 def submit(services: Services, engine, request: Request, prompt: Prompt, params: SamplingParams,
-           *, endpoint: str, streaming: bool) -> Generation:
-    """Hands the request to the engine (on the event-loop thread, as the engine requires)."""
+           *, endpoint: str, streaming: bool, follows: str | None = None) -> Generation:
+    """Hands the request to the engine (on the event-loop thread, as the engine requires);
+    ``follows``: see ``EngineFrontend.add_request``."""
     metrics = services.metrics
     if services.draining:
         raise shutting_down()
     try:
-        stream = engine.add_request(prompt.ids, params, request_id=uuid.uuid4().hex)
+        extra = {"follows": follows} if follows is not None else {}
+        stream = engine.add_request(prompt.ids, params, request_id=uuid.uuid4().hex, **extra)
     except QueueFullError:
         metrics.rejected.labels(reason="queue_full").inc()
         raise
     except ValueError as exc:
-        metrics.rejected.labels(reason="invalid").inc()
         raise ApiError(400, str(exc)) from exc
     return Generation(services, engine, stream, request_id=request.state.request_id,
                       endpoint=endpoint, prompt=prompt, params=params, streaming=streaming,
@@ -290,9 +306,5 @@ def submit(services: Services, engine, request: Request, prompt: Prompt, params:
 
 def plan_max_new_tokens(services: Services, engine, prompt: Prompt, requested: int | None,
                         default: int, param: str) -> int:
-    try:
-        return resolve_max_new_tokens(requested, len(prompt.ids), engine.max_model_len, default,
-                                      param, services.settings.max_prompt_tokens)
-    except ApiError:
-        services.metrics.rejected.labels(reason="too_long").inc()
-        raise
+    return resolve_max_new_tokens(requested, len(prompt.ids), engine.max_model_len, default,
+                                  param, services.settings.max_prompt_tokens)

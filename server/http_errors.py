@@ -17,18 +17,41 @@ log = logging.getLogger("server.errors")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
-_TGI_TYPES = {400: "validation", 401: "unauthorized", 404: "not_found", 413: "validation",
+_TGI_TYPES = {400: "validation", 401: "unauthorized", 404: "not_found", 405: "validation", 413: "validation",
               415: "validation", 422: "validation", 429: "overloaded", 503: "unavailable"}
+# Refusals of what a request asked for, counted in llm_requests_rejected_total{reason}.
+VALIDATION_STATUSES = frozenset({400, 404, 413, 415, 422})
 
 
 class ApiError(Exception):
+    """``reason``: the label a 4xx refusal is counted under (``VALIDATION_STATUSES``)."""
+
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, reason: str = "invalid"):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.headers = headers or {}
+        self.reason = reason
+
+
+def count_rejection(request: Request, status: int, reason: str = "invalid") -> None:
+    if status in VALIDATION_STATUSES:
+        request.app.state.services.metrics.rejected.labels(reason=reason).inc()
+
+
+def require_json_body(request: Request) -> None:
+    """415 for a POST whose body is not declared JSON (curl's -d alone sends a form type)."""
+    if request.method != "POST":
+        return
+    declared = request.headers.get("content-type", "")
+    media_type = declared.partition(";")[0].strip().lower()
+    if media_type != "application/json" and not (media_type.startswith("application/") and media_type.endswith("+json")):
+        raise ApiError(415, f"the request body must be JSON with Content-Type: application/json, not "
+                            f"{declared[:100]!r}" if declared else
+                            "the request body must be JSON with Content-Type: application/json (none was given)",
+                       headers={"Accept": "application/json"})
 
 
 def ended_by_shutdown(finish) -> ApiError:
@@ -106,11 +129,13 @@ def body_parse_error(cause: BaseException) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
+        count_rejection(request, exc.status, exc.reason)
         return error_response(request.url.path, exc.status, exc.message, param=exc.param,
                               headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
+        count_rejection(request, 422)
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
             detail = next(e for e in errors if e.get("type") == "json_invalid")
@@ -126,6 +151,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 400 and exc.__cause__ is not None:
             message = body_parse_error(exc.__cause__)
+        if exc.status_code in (400, 413):           # a body that could not be read or parsed
+            count_rejection(request, exc.status_code)
         return error_response(request.url.path, exc.status_code, message, headers=exc.headers)
 
     @app.exception_handler(QueueFullError)

@@ -6,6 +6,7 @@ reports the sum over all workers.
 """
 
 import os
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
@@ -13,6 +14,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "llm"
+# The Gateway API Inference Extension's model-server protocol names its gauges after vLLM's; its
+# endpoint picker (and dashboards made for vLLM) read these.
+VLLM_PREFIX = "vllm:"
 
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -27,10 +31,14 @@ QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 
 
 class EngineStatsCollector:
-    """Gauges read from ``engine.stats()`` at scrape time; nothing while no engine is loaded."""
+    """Gauges read from ``engine.stats()`` at scrape time; nothing while no engine is loaded.
+
+    Each is exported under our name and, where the inference extension's model-server protocol
+    asks for it, under vLLM's name with vLLM's ``model_name`` label and the same value."""
 
     def __init__(self, get_engine: Callable[[], object | None]):
         self._get_engine = get_engine
+        self._created = time.time()
 
     def collect(self):
         engine = self._get_engine()
@@ -51,13 +59,44 @@ class EngineStatsCollector:
              cached / total if total else 0.0),
         ):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        yield from self._vllm_families(engine, stats, used / total if total else 0.0)
         for name, doc, value in (
             ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
              getattr(stats, "prefix_cache_queries", 0)),
             ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.",
              getattr(stats, "prefix_cache_hits", 0)),
+            ("sampled_tokens", "Generated tokens, counted as each engine step's tokens arrive "
+                               "(generation_tokens counts a request's when it finishes).",
+             getattr(stats, "sampled_tokens", 0)),
         ):
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+    def _vllm_families(self, engine, stats, usage: float):
+        model = {"model_name": engine.model_name}
+        for name, doc, value in (
+            ("num_requests_running", "Requests being decoded (llm_num_requests_running).", stats.running),
+            ("num_requests_waiting", "Requests waiting to be scheduled (llm_num_requests_waiting).",
+             stats.waiting),
+            ("kv_cache_usage_perc", "Share of the KV cache blocks in use, 1 meaning all "
+                                    "(llm_kv_cache_usage_ratio).", usage),
+        ):
+            family = GaugeMetricFamily(VLLM_PREFIX + name, doc, labels=list(model))
+            family.add_metric(list(model.values()), value)
+            yield family
+        info = engine.info
+        cache = {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_blocks)}
+        family = GaugeMetricFamily(VLLM_PREFIX + "cache_config_info",
+                                   "KV cache configuration, in the labels (value 1).", labels=list(cache))
+        family.add_metric(list(cache.values()), 1)
+        yield family
+        # No LoRA adapters are served: none running or waiting, none can be loaded. The value is
+        # when that set last changed, which for this server is its start.
+        lora = {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+        family = GaugeMetricFamily(VLLM_PREFIX + "lora_requests_info",
+                                   "LoRA adapters running and waiting, in the labels; the value is when "
+                                   "they last changed.", labels=list(lora))
+        family.add_metric(list(lora.values()), self._created)
+        yield family
 
 
 class Metrics:

@@ -11,18 +11,19 @@ from fastapi.responses import JSONResponse
 from .engine.params import FinishEvent, SamplingParams, TokenEvent
 from .generation import (SAMPLING_EPS, ClientGone, Generation, Prompt, encode_chat, encode_text,
                          finite_or_none, plan_max_new_tokens, sampling_params, submit)
-from .http_errors import ApiError, ended_by_shutdown
+from .http_errors import ApiError, ended_by_shutdown, require_json_body
 from .schemas import (MAX_STOP_SEQUENCES, ErrorResponse, GenerateParameters, GenerateRequest,
                       GenerateResponse, Info, StreamResponse, chat_template_messages)
 from .services import Services, get_services, ready_engine
 from .sse import GenerationEventStream, event_stream_doc, sse_json
+from .token_text import token_strings
 
 log = logging.getLogger("server.tgi")
-router = APIRouter(tags=["TGI"])
+router = APIRouter(tags=["TGI"], dependencies=[Depends(require_json_body)])
 
 FINISH_REASONS = {"length": "length", "eos": "eos_token", "stop": "stop_sequence",
                   "abort": "abort", "error": "error"}
-ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 422, 429, 500, 503)}
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 415, 422, 429, 500, 503)}
 # The token events, the last with generated_text and details, or an error event instead of it.
 STREAM_DOC = event_stream_doc(StreamResponse, ErrorResponse)
 
@@ -34,7 +35,7 @@ def server_version() -> str:
         return "unknown"
 
 
-def tgi_sampling(engine, p: GenerateParameters, max_new_tokens: int) -> SamplingParams:
+def tgi_sampling(engine, p: GenerateParameters, max_new_tokens: int, services: Services) -> SamplingParams:
     sample = p.wants_sampling()
     temperature = (1.0 if p.temperature is None else p.temperature) if sample else 0.0
     seed = p.seed
@@ -43,7 +44,28 @@ def tgi_sampling(engine, p: GenerateParameters, max_new_tokens: int) -> Sampling
     return sampling_params(engine, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_p=p.top_p, top_k=p.top_k, repetition_penalty=p.repetition_penalty,
                            seed=seed, stop=tuple(p.stop), logprobs=True, ignore_eos=p.ignore_eos,
-                           include_stop_str_in_output=True)    # TGI's generated_text ends with the stop sequence
+                           include_stop_str_in_output=True,    # TGI's generated_text ends with the stop sequence
+                           top_logprobs=p.top_n_tokens or 0, frequency_penalty=p.frequency_penalty,
+                           prompt_logprobs=0 if p.decoder_input_details and p.details else None)
+
+
+def check_top_n_tokens(p: GenerateParameters, services: Services) -> None:
+    limit = services.settings.max_logprobs
+    if p.top_n_tokens is not None and p.top_n_tokens > limit:
+        raise ApiError(422, f"top_n_tokens {p.top_n_tokens} is over this server's limit of {limit} "
+                            "(--max-logprobs)", param="parameters.top_n_tokens")
+
+
+def top_tokens_json(event: TokenEvent, strings) -> list[dict] | None:
+    if event.top_logprobs is None:
+        return None
+    return [{"id": i, "text": strings.text(i), "logprob": finite_or_none(v), "special": i in strings.special}
+            for i, v in event.top_logprobs]
+
+
+def prefill_json(prompt_ids: list[int], report, strings) -> list[dict]:
+    values = [None] + [finite_or_none(v) for v, _, _ in report or ()]
+    return [{"id": i, "text": strings.text(i), "logprob": v} for i, v in zip(prompt_ids, values)]
 
 
 def token_json(event: TokenEvent) -> dict:
@@ -70,7 +92,7 @@ def stream_error(gen: Generation, finish: FinishEvent) -> dict:
                      f"{finish.completion_tokens} tokens", "error_type": "incomplete_generation"}
 
 
-async def tgi_stream(gen: Generation, prefix: str) -> AsyncIterator[bytes]:
+async def tgi_stream(gen: Generation, prefix: str, strings) -> AsyncIterator[bytes]:
     """One event per token; the last token's event also carries generated_text and details, as
     TGI's does (the engine marks that token, its finish event queued right behind it)."""
     index = 0
@@ -84,13 +106,13 @@ async def tgi_stream(gen: Generation, prefix: str) -> AsyncIterator[bytes]:
                 if token is not None:
                     index += 1
                     yield sse_json({"index": index, "token": token_json(token), "generated_text": None,
-                                    "details": None, "top_tokens": None})
+                                    "details": None, "top_tokens": top_tokens_json(token, strings)})
                 yield sse_json(stream_error(gen, finish))
                 return
             index += 1
             if finish is None:
                 yield sse_json({"index": index, "token": token_json(token), "generated_text": None,
-                                "details": None, "top_tokens": None})
+                                "details": None, "top_tokens": top_tokens_json(token, strings)})
                 continue
             token = token or TokenEvent(0, "", None, True)    # finished with no token of its own
             yield sse_json({
@@ -100,7 +122,7 @@ async def tgi_stream(gen: Generation, prefix: str) -> AsyncIterator[bytes]:
                             "generated_tokens": finish.completion_tokens,
                             "seed": gen.params.seed, "input_length": finish.prompt_tokens,
                             "cached_tokens": finish.cached_tokens},
-                "top_tokens": None})
+                "top_tokens": top_tokens_json(token, strings)})
             return
     except Exception:
         log.exception("stream failed", extra={"fields": {"request_id": gen.request_id}})
@@ -114,12 +136,14 @@ async def run_generate(body: GenerateRequest, request: Request, engine, services
     max_new = plan_max_new_tokens(services, engine, prompt, params.max_new_tokens,
                                   services.settings.default_max_new_tokens,
                                   "parameters.max_new_tokens")
-    sampling = tgi_sampling(engine, params, max_new)
+    check_top_n_tokens(params, services)
+    sampling = tgi_sampling(engine, params, max_new, services)
+    strings = token_strings(engine.tokenizer)
     prefix = prompt.text if params.return_full_text else ""
     gen = submit(services, engine, request, prompt, sampling, endpoint=endpoint, streaming=stream)
     if stream:
         return GenerationEventStream(
-            tgi_stream(gen, prefix), gen)
+            tgi_stream(gen, prefix, strings), gen)
     try:
         finish = await gen.collect(request)
     except ClientGone:
@@ -134,6 +158,10 @@ async def run_generate(body: GenerateRequest, request: Request, engine, services
                              "generated_tokens": finish.completion_tokens, "seed": sampling.seed,
                              "cached_tokens": finish.cached_tokens,
                              "prefill": [], "tokens": [token_json(t) for t in gen.tokens]}
+        if params.decoder_input_details and gen.tokens:
+            answer["details"]["prefill"] = prefill_json(prompt.ids, gen.tokens[0].prompt_logprobs, strings)
+        if params.top_n_tokens:
+            answer["details"]["top_tokens"] = [top_tokens_json(t, strings) or [] for t in gen.tokens]
     return JSONResponse(answer)
 
 

@@ -8,13 +8,38 @@ vLLM send such fields. A known field with a value this server cannot honour is s
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator
 
 from .schemas import (MAX_STOP_SEQUENCES, ChatMessage, FiniteFloat, Lenient, NonEmptyText, StopSequence, Strict,
-                      Text, require_neutral)
+                      Text, integer, only)
 
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = integer(ge=0)
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16                   # choices per prompt
+MAX_LOGPROBS = 20            # top log-probabilities per position (vLLM's default --max-logprobs)
+MAX_LOGIT_BIAS = 100.0
+MAX_PROMPTS = 256            # prompts in one /v1/completions request
+
+
+def within(name: str, value: int | None, low: int, high: int) -> int | None:
+    """``value`` if None or in low..high; else a ValueError naming the field, the value and the range."""
+    if value is not None and not low <= value <= high:
+        raise ValueError(f"{name} {value} is outside {low}..{high}")
+    return value
+
+
+def logprob_count(name: str):
+    def check(cls, v):
+        return within(name, v, 0, MAX_LOGPROBS)
+    return field_validator(name)(classmethod(check))
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# What CompletionRequest._prompts accepts, for the document: a non-empty prompt, or a batch of them.
+PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
+    _TOKEN_IDS,
+    {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": MAX_PROMPTS}]}
 
 
 class StreamOptions(Lenient):
@@ -27,21 +52,24 @@ class SamplingFields(Lenient):
     model: Text = Field(description="The id listed by GET /v1/models.")
     temperature: FiniteFloat | None = Field(None, ge=0.0, le=2.0, description="0 means greedy; default 1.")
     top_p: FiniteFloat | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, description="Only 1 is supported.")
+    n: integer() | None = Field(None, description="Choices to generate (default 1); the prompt is "
+                                                   "computed once and its cache shared by all of them.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: StopSequence | list[StopSequence] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: FiniteFloat | None = Field(None, description="Only 0 is supported.")
-    frequency_penalty: FiniteFloat | None = Field(None, description="Only 0 is supported; "
-                                                                    "see repetition_penalty.")
-    logit_bias: dict[str, float] | None = Field(None, description="Only an empty map is supported.")
+    stop: StopSequence | Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    seed: integer(ge=0, lt=2**63) | None = Field(None)
+    presence_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0, description=(
+        "Subtracted from the logit of every token generated so far (OpenAI's definition)."))
+    frequency_penalty: FiniteFloat | None = Field(None, ge=-2.0, le=2.0, description=(
+        "Subtracted from a token's logit once per time it was generated so far."))
+    logit_bias: dict[str, FiniteFloat] | None = Field(None, description=(
+        "Token id (as a string) -> a bias from -100 to 100 added to its logit before sampling."))
     user: Text | None = Field(None, description="Accepted and ignored.")
     # Extensions in vLLM's spelling.
-    top_k: int | None = Field(None, ge=-1, description="0 or -1 turn the top-k cut off.")
+    top_k: integer(ge=-1) | None = Field(None, description="0 or -1 turn the top-k cut off.")
     repetition_penalty: FiniteFloat | None = Field(None, ge=0.01, le=10.0)
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
-    min_tokens: int = Field(0, ge=0, description="Neither the end-of-sequence token, stop_token_ids nor stop "
+    min_tokens: integer(ge=0) = Field(0, description="Neither the end-of-sequence token, stop_token_ids nor stop "
                                                  "strings end the generation before this many tokens.")
     include_stop_str_in_output: bool = Field(False, description="true: the text ends after the stop string "
                                                                  "that ended it, not before.")
@@ -56,26 +84,24 @@ class SamplingFields(Lenient):
     @field_validator("n")
     @classmethod
     def _n(cls, v):
-        return require_neutral(v, (None, 1), "n other than 1")
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalties(cls, v):
-        return require_neutral(v, (None, 0, 0.0), "a non-zero presence/frequency penalty")
+        return within("n", v, 1, MAX_N)
 
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported by this server")
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias key {key!r} is not a token id (a non-negative integer)")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias of token {key} is {bias}, outside -{MAX_LOGIT_BIAS:g}.."
+                                 f"{MAX_LOGIT_BIAS:g}")
         return v
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        if isinstance(v, list) and len(v) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
-        return v
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items() if b)
+
+    def choices(self) -> int:
+        return self.n or 1
 
     def stop_tuple(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -92,37 +118,49 @@ class SamplingFields(Lenient):
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] = Field(
-        description="One prompt: a string or a list of token ids (a one-element list of either "
-                    "is accepted too).")
-    max_tokens: int | None = Field(None, ge=1, description="Default 16, as OpenAI's.")
-    echo: bool = Field(False, description="Prepend the prompt to the returned text.")
-    logprobs: int | None = Field(None, ge=0, le=5, description=(
-        "Return the log probability of each generated token. Only the sampled token is "
-        "reported in top_logprobs, whatever the number asked for."))
-    best_of: int | None = Field(None, description="Only 1 is supported.")
+        description=f"A string, a list of token ids, or a list of up to {MAX_PROMPTS} of either: one "
+                    "choice per prompt (times n), indexed prompt by prompt.",
+        json_schema_extra=lambda schema: schema.update(PROMPT_SCHEMA))
+    max_tokens: integer(ge=0) | None = Field(None, description="Default 16, as OpenAI's; 0 generates nothing "
+                                                           "(with echo: the prompt and its log-probabilities).")
+    echo: bool = Field(False, description="Prepend the prompt to the returned text (and, with logprobs, its "
+                                          "tokens' log-probabilities, the first null).")
+    logprobs: integer() | None = Field(None, description=(
+        "The log-probability of each token and of this many likeliest tokens at each position, from the "
+        "model's distribution (before temperature, penalties and bias). Capped by the server's "
+        "--max-logprobs."))
+    prompt_logprobs: integer() | None = Field(None, description=(
+        "vLLM's extension: the prompt tokens' log-probabilities, with this many likeliest at each position."))
+    best_of: integer() | None = only(1, None, description="Only 1: vLLM V1 dropped best_of; ask for n choices and "
+                                                  "pick by their logprobs instead.")
     suffix: None = Field(None, description="Not supported; null only.")
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("the prompt is empty")
-            return v
-        if not v:
+    def _prompts(cls, v):
+        prompts = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
+        if not prompts:
             raise ValueError("the prompt is empty")
-        if isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            if not v[0]:
-                raise ValueError("the prompt is empty")
-            return v[0]
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"{len(prompts)} prompts in one request, over the limit of {MAX_PROMPTS}")
+        if any(not p for p in prompts):
+            raise ValueError("the prompt is empty")
         return v
+
+    def prompt_list(self) -> list[str | list[int]]:
+        v = self.prompt
+        return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
+
+    _logprobs = logprob_count("logprobs")
+    _prompt_logprobs = logprob_count("prompt_logprobs")
 
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, v):
-        return require_neutral(v, (None, 1), "best_of other than 1")
+        if v not in (None, 1):
+            raise ValueError(f"best_of {v} is not supported: vLLM V1 dropped best_of too; ask for n={v} "
+                             "choices with logprobs and pick among them")
+        return v
 
 
 class ResponseFormat(Strict):
@@ -135,20 +173,23 @@ class OpenAIChatMessage(ChatMessage, Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[OpenAIChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated OpenAI name of "
+    max_tokens: integer(ge=1) | None = Field(None, description="Deprecated OpenAI name of "
                                                            "max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: integer(ge=1) | None = Field(None)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, description="Only 0 is supported.")
+    top_logprobs: integer() | None = Field(None, description=(
+        "With logprobs: also the this many likeliest tokens at each position, from the model's distribution "
+        "(before temperature, penalties and bias). Capped by the server's --max-logprobs."))
+    prompt_logprobs: integer() | None = Field(None, description=(
+        "vLLM's extension: the prompt tokens' log-probabilities, with this many likeliest at each position."))
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = Field(None, description="Not supported; null or [] only.")
+    tools: list[Any] | None = Field(None, description="Not supported; null or [] only.",
+                                    json_schema_extra={"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored.")
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, v):
-        return require_neutral(v, (None, 0), "top_logprobs above 0")
+    _top_logprobs = logprob_count("top_logprobs")
+    _prompt_logprobs = logprob_count("prompt_logprobs")
 
     @field_validator("tools")
     @classmethod
@@ -157,12 +198,10 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tools are not supported by this server")
         return v
 
-    @model_validator(mode="after")
-    def _one_limit(self):
-        if (self.max_tokens is not None and self.max_completion_tokens is not None
-                and self.max_tokens != self.max_completion_tokens):
-            raise ValueError("give max_completion_tokens or max_tokens, not two different values")
-        return self
+    def token_limits_differ(self) -> bool:
+        """Both limits given, different (a rule the document cannot state: the route answers 400)."""
+        return (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -182,8 +221,11 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float | None]]
+    top_logprobs: list[dict[str, float | None] | None]
     text_offset: list[int]
+
+
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -191,6 +233,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=(
+        "With prompt_logprobs (vLLM): None, then per prompt position token id -> logprob, rank, decoded_token."))
 
 
 class CompletionResponse(BaseModel):
@@ -202,11 +246,17 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None
+
+
 class ChatTokenLogprob(BaseModel):
     token: str
     logprob: float | None
-    bytes: list[int]
-    top_logprobs: list[Any] = []
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob] = []
 
 
 class ChatChoiceLogprobs(BaseModel):
@@ -232,6 +282,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="With prompt_logprobs, as in completions.")
 
 
 class ModelCard(BaseModel):

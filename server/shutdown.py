@@ -22,15 +22,33 @@ log = logging.getLogger("server.shutdown")
 
 FINAL_EVENTS_S = 5.0      # after ending the requests: time for their last events to be written
 IDLE_ENGINE_S = 2.0       # time for the engine to report its KV blocks free
+DRAIN_REPORT_S = 5.0      # while draining, how often the log says what is left
 
 
-async def drain(services: Services, timeout: float) -> None:
-    """Stops admitting, waits up to ``timeout`` s for the running requests, then ends the rest."""
+def _count(requests: int) -> str:
+    return f"{requests} request{'' if requests == 1 else 's'}"
+
+
+async def drain(services: Services, timeout: float, report_every: float = DRAIN_REPORT_S) -> None:
+    """Stops admitting, waits up to ``timeout`` s for the running requests (saying every
+    ``report_every`` s how many and for how long still), then ends the rest."""
     services.draining = True
     running = services.generations
-    log.info("shutting down: new requests get 503; waiting for running requests",
-             extra={"fields": {"running_requests": len(running), "shutdown_timeout_s": timeout}})
-    await _until(lambda: not running, timeout)
+    if running:
+        log.info(f"draining: new requests get 503; {_count(len(running))} running may finish for up to "
+                 f"{timeout:g} s (--shutdown-timeout), then the server ends "
+                 f"{'it' if len(running) == 1 else 'them'}",
+                 extra={"fields": {"running_requests": len(running), "shutdown_timeout_s": timeout}})
+    else:
+        log.info("draining: no request running; new requests get 503",
+                 extra={"fields": {"running_requests": 0, "shutdown_timeout_s": timeout}})
+    deadline = time.monotonic() + timeout
+    while running and time.monotonic() < deadline:
+        await _until(lambda: not running, min(report_every, deadline - time.monotonic()))
+        left = deadline - time.monotonic()
+        if running and left > 0:
+            log.info(f"draining: {_count(len(running))} still running, ended in {left:.0f} s",
+                     extra={"fields": {"running_requests": len(running), "seconds_left": round(left, 1)}})
     if running:
         ended = list(running)
         log.warning("shutdown timeout reached: the server ends the requests still running",
@@ -75,7 +93,8 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain_signal is not None and self._drain_task is None and not self.should_exit:
-            log.info("received %s", signal.Signals(self._drain_signal).name)
+            name = signal.Signals(self._drain_signal).name
+            log.info("received %s%s", name, ": Ctrl-C again stops at once" if self._drain_signal == signal.SIGINT else "")
             self._drain_task = asyncio.create_task(self._drain_then_exit())
         return await super().on_tick(counter)
 

@@ -137,11 +137,13 @@ def test_dockerfile_promises(dockerfile):
     assert volume_path.startswith(env["FLASHDECODE_CACHE"]) and "model" in volume_path
 
     # Configuration by environment; reachable from outside the container.
-    assert env["HOST"] == "0.0.0.0" and env["PORT"] == "8000" and env["MODEL"]
-    assert "API_KEY" not in env, "a secret must not be baked into the image"
+    assert env["FLASHDECODE_HOST"] == "0.0.0.0" and env["FLASHDECODE_PORT"] == "8000" and env["FLASHDECODE_MODEL"]
+    assert not any("API_KEY" in name for name in env), "a secret must not be baked into the image"
     (cmd,) = [args for kw, args in instrs if kw == "CMD"]
-    argv = json.loads(cmd)
-    assert "--host" in argv[-1] and "$HOST" in argv[-1] and argv[-1].startswith("exec python -m server")
+    assert json.loads(cmd) == ["python", "-m", "server"]
+    # every variable the image sets for the server is one the server knows
+    from server.cli import parse_args
+    parse_args([], environ={k: v for k, v in env.items() if k.startswith("FLASHDECODE_")})
     assert "EXPOSE" in kws
 
     # The project and the embedded default model are installed.
@@ -158,7 +160,7 @@ def test_gpu_dockerfile_compiles_the_kernel_at_build_time():
     runs = [args for kw, args in instrs if kw == "RUN"]
     assert any("torch==" in r for r in runs)
     env = env_of(instrs)
-    assert env["DEVICE"] == "cuda" and env["FLASHDECODE_CACHE"] and env["CUDA_HOME"]
+    assert env["FLASHDECODE_DEVICE"] == "cuda" and env["FLASHDECODE_CACHE"] and env["CUDA_HOME"]
     # The build runs as the user who loads it, after the project is installed.
     order = [kw if kw != "RUN" else ("BUILD" if "kernels.build" in args else "RUN") for kw, args in instrs]
     assert "BUILD" in order
@@ -194,7 +196,7 @@ def test_images_convert_the_embedded_model_at_build_time(dockerfile, monkeypatch
 def test_cpu_dockerfile_serves_the_embedded_default():
     instrs = instructions(ROOT / "docker" / "Dockerfile.cpu")
     env = env_of(instrs)
-    assert env["DEVICE"] == "cpu" and env["MODEL"] == "default"
+    assert env["FLASHDECODE_DEVICE"] == "cpu" and env["FLASHDECODE_MODEL"] == "default"
     text = (ROOT / "docker" / "Dockerfile.cpu").read_text()
     assert "nvidia" not in text.lower() and "whl/cpu" in text
 
@@ -245,8 +247,12 @@ def test_compose_gpu_server(compose):
     assert (port["target"], port["published"], port["host_ip"]) == (8000, "8000", "127.0.0.1")
     (volume,) = server["volumes"]
     assert volume["type"] == "volume" and volume["target"] == "/var/cache/flashdecode/models"
-    assert server["environment"]["HOST"] == "0.0.0.0" and server["environment"]["DEVICE"] == "cuda"
+    assert server["environment"]["FLASHDECODE_HOST"] == "0.0.0.0"
+    assert server["environment"]["FLASHDECODE_DEVICE"] == "cuda"
     assert "profiles" not in server
+    # the server accepts every variable the file gives it
+    from server.cli import parse_args
+    parse_args([], environ=server["environment"])
 
 
 def test_compose_gives_the_drain_time_to_finish(compose):
@@ -254,23 +260,24 @@ def test_compose_gives_the_drain_time_to_finish(compose):
     def seconds(duration: str) -> float:
         return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in re.findall(r"([\d.]+)([hms])", duration))
 
-    for env in ({}, {"SHUTDOWN_TIMEOUT": "100", "STOP_GRACE_PERIOD": "2m"}):
+    for env in ({}, {"FLASHDECODE_SHUTDOWN_TIMEOUT": "100", "STOP_GRACE_PERIOD": "2m"}):
         cfg = compose_config(compose, env=env)
         for name in ("server", "server-cpu"):
             service = cfg["services"][name]
-            timeout = float(service["environment"]["SHUTDOWN_TIMEOUT"])
+            timeout = float(service["environment"]["FLASHDECODE_SHUTDOWN_TIMEOUT"])
             assert seconds(service["stop_grace_period"]) >= timeout + 10, (name, service["stop_grace_period"])
 
 
 def test_compose_replica_per_gpu_by_environment(compose):
     """One project per GPU: the GPU, the published port and the model name follow the environment,
     and every replica shares one model-cache volume."""
-    cfg = compose_config(compose, env={"GPU_ID": "3", "PORT": "8003", "MODEL": "random:smollm2-135m",
-                                       "BIND_ADDRESS": "0.0.0.0"})
+    cfg = compose_config(compose, env={"GPU_ID": "3", "PORT": "8003", "FLASHDECODE_MODEL": "random:smollm2-135m",
+                                       "BIND_ADDRESS": "0.0.0.0", "SERVER_ARGS": "--max-batch 64"})
     server = cfg["services"]["server"]
     assert server["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["3"]
     assert server["ports"][0]["published"] == "8003" and server["ports"][0]["host_ip"] == "0.0.0.0"
-    assert server["environment"]["MODEL"] == "random:smollm2-135m"
+    assert server["environment"]["FLASHDECODE_MODEL"] == "random:smollm2-135m"
+    assert server["command"] == ["python", "-m", "server", "--max-batch", "64"]
     assert cfg["volumes"]["model-cache"]["name"] == "flashdecode-model-cache"
 
 
@@ -279,7 +286,7 @@ def test_compose_profiles(compose):
     cpu, loadtest = services["server-cpu"], services["loadtest"]
     assert cpu["profiles"] == ["cpu"] and cpu["build"]["dockerfile"] == "docker/Dockerfile.cpu"
     assert "deploy" not in cpu or not cpu["deploy"].get("resources")
-    assert cpu["environment"]["DEVICE"] == "cpu"
+    assert cpu["environment"]["FLASHDECODE_DEVICE"] == "cpu"
     assert loadtest["profiles"] == ["loadtest"]
     assert loadtest["depends_on"]["server"]["condition"] == "service_healthy"
     assert loadtest["network_mode"] == "service:server"

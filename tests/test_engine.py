@@ -148,7 +148,7 @@ def test_a_pool_smaller_than_the_context_serves_and_advertises_the_pools_length(
 
 def rows(n, **kw):
     base = dict(temperature=[1.0] * n, top_k=[0] * n, top_p=[1.0] * n, repetition_penalty=[1.0] * n,
-                seeds=list(range(n)), positions=[0] * n, history=None, want_logprobs=False)
+                seeds=list(range(n)), positions=[0] * n, history=None)
     base.update(kw)
     return SamplingRows(**base)
 
@@ -213,8 +213,8 @@ def test_repetition_penalty_discourages_seen_tokens():
 
 def test_logprobs_are_log_softmax_of_the_chosen_token():
     logits = torch.randn(3, 50)
-    ids, logprobs = sample(logits, rows(3, temperature=[0.0] * 3, want_logprobs=True))
-    assert torch.allclose(logprobs, logits.log_softmax(-1).gather(1, ids[:, None]).squeeze(1))
+    ids, logprobs = sample(logits, rows(3, temperature=[0.0] * 3, logprobs=[0] * 3))
+    assert torch.allclose(logprobs.sampled, logits.log_softmax(-1).gather(1, ids[:, None]).squeeze(1))
 
 
 def test_hashed_uniforms_are_uniform_and_in_range():

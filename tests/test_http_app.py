@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from server.app import create_app
 from server.engine.config import EngineConfig
+from server.engine.core import ModelInfo
 from server.engine.errors import QueueFullError
 from server.engine.params import FinishEvent, SamplingParams, TokenEvent
 from server.settings import Settings
@@ -23,7 +24,16 @@ class CharTokenizer:
         return [ord(c) + 10 for c in text]
 
     def decode(self, ids, **_) -> str:
-        return "".join(chr(i - 10) for i in ids)
+        return "".join(chr(max(i - 10, 0)) for i in ids)
+
+    def __call__(self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False) -> dict:
+        out = {"input_ids": self.encode(text)}
+        if return_offsets_mapping:
+            out["offset_mapping"] = [(i, i + 1) for i in range(len(text))]
+        return out
+
+    def convert_ids_to_tokens(self, ids):
+        return [chr(max(i - 10, 0)) for i in ids] if isinstance(ids, list) else chr(max(ids - 10, 0))
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True) -> str:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
@@ -62,6 +72,8 @@ class FakeEngine:
         self.config = EngineConfig()
         self.max_model_len = max_model_len
         self.model_name = "fake-model"
+        # as stats() counts: 100 blocks of 16 tokens
+        self.info = ModelInfo(self.model_name, max_model_len, 1600, 16, 100, len(self.tokenizer))
         self.ready = False
         self.error = None
         self.mode = mode
@@ -80,7 +92,7 @@ class FakeEngine:
     def stats(self):
         return Stats(len(self.active), 0, 100, 4 * len(self.active))
 
-    def add_request(self, prompt_ids, params, request_id=None):
+    def add_request(self, prompt_ids, params, request_id=None, follows=None):
         if self.mode == "full":
             raise QueueFullError("3 requests are waiting (limit 3)", retry_after=2.0)
         if self.mode == "crash":

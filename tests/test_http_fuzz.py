@@ -84,20 +84,21 @@ TGI_PARAMETERS = body_of({}, {
     "return_full_text": BOOL, "truncate": field(st.integers(1, 64), 0, -1, 10**9),
     "ignore_eos": BOOL, "best_of": field(st.sampled_from([None, 1]), 2, 0),
     "typical_p": field(st.none(), 0.5), "watermark": field(st.just(False), True),
-    "decoder_input_details": field(st.just(False), True),
-    "top_n_tokens": field(st.sampled_from([None, 0]), 3), "grammar": field(st.none(), {"type": "json"}),
-    "frequency_penalty": field(st.sampled_from([None, 0.0]), 0.5), "adapter_id": field(st.none(), "x")})
+    "decoder_input_details": field(st.booleans(), None, "yes"),
+    "top_n_tokens": field(st.sampled_from([None, 0, 3, 20]), 21, -1), "grammar": field(st.none(), {"type": "json"}),
+    "frequency_penalty": field(st.sampled_from([None, 0.0, 0.5]), 2.5, math.nan), "adapter_id": field(st.none(), "x")})
 TGI_BODY = st.one_of(
     body_of({"inputs": TEXT}, {"parameters": nested(TGI_PARAMETERS), "stream": BOOL}),
     body_of({"messages": MESSAGES}, {"parameters": nested(TGI_PARAMETERS), "stream": BOOL}))
 
 SAMPLING = {
-    "temperature": TEMPERATURE, "top_p": UNIT, "n": field(st.sampled_from([None, 1]), 2, 0),
+    "temperature": TEMPERATURE, "top_p": UNIT, "n": field(st.sampled_from([None, 1, 2, 3]), 17, 0, -1),
     "stream": BOOL, "stream_options": nested(body_of({}, {"include_usage": BOOL})),
     "stop": field(st.one_of(words.filter(bool), STOPS[0]), "", ["a"] * 17, "\ud800"),
-    "seed": SEED, "presence_penalty": field(st.sampled_from([None, 0.0]), 0.5, math.nan),
-    "frequency_penalty": field(st.sampled_from([None, 0.0]), -0.5), "user": TEXT,
-    "logit_bias": field(st.just({}), {"5": 10.0}, {"x": "y"}),
+    "seed": SEED, "presence_penalty": field(st.sampled_from([None, 0.0, 0.5, -2.0]), 2.5, math.nan),
+    "frequency_penalty": field(st.sampled_from([None, 0.0, -0.5, 2.0]), -2.5), "user": TEXT,
+    "logit_bias": field(st.sampled_from([{}, {"5": 10.0}, {"0": -100, "49151": 100}]), {"x": "y"}, {"5": 101},
+                        {"49152": 1}, {"-1": 1}, {"5": math.inf}),
     "top_k": TOP_K, "repetition_penalty": PENALTY, "ignore_eos": BOOL}
 
 
@@ -107,18 +108,20 @@ def model_field(model: str) -> tuple:
 
 def completion_body(model: str) -> st.SearchStrategy:
     prompt = field(st.one_of(words.filter(bool), st.lists(st.integers(0, 49151), min_size=1, max_size=5),
-                             st.lists(words.filter(bool), min_size=1, max_size=1)),
-                   "", [], [-1], [49152], [2**63], ["a", "b"], [[1, 2], [3]], [[]], "\ud800")
+                             st.lists(words.filter(bool), min_size=1, max_size=3),
+                             st.lists(st.lists(st.integers(0, 49151), min_size=1, max_size=4), min_size=1, max_size=3)),
+                   "", [], [-1], [49152], [2**63], [[]], ["a", ""], ["x"] * 257, "\ud800")
     return body_of({"model": model_field(model), "prompt": prompt},
                    {**SAMPLING, "max_tokens": TOKENS, "echo": BOOL,
-                    "logprobs": field(st.sampled_from([None, 0, 1, 5]), -1, 6),
+                    "logprobs": field(st.sampled_from([None, 0, 1, 5, 20]), -1, 21),
+                    "prompt_logprobs": field(st.sampled_from([None, 0, 2]), -1, 21),
                     "best_of": field(st.sampled_from([None, 1]), 2), "suffix": field(st.none(), "x")})
 
 
 def chat_body(model: str) -> st.SearchStrategy:
     return body_of({"model": model_field(model), "messages": MESSAGES},
                    {**SAMPLING, "max_tokens": TOKENS, "max_completion_tokens": TOKENS,
-                    "logprobs": BOOL, "top_logprobs": field(st.sampled_from([None, 0]), 2, -1),
+                    "logprobs": BOOL, "top_logprobs": field(st.sampled_from([None, 0, 2, 20]), 21, -1),
                     "response_format": field(st.just({"type": "text"}), {"type": "json_object"}, {}),
                     "tools": field(st.sampled_from([None, []]), [{"type": "function"}]),
                     "tool_choice": field(st.sampled_from([None, "none"]), "auto", {"type": "function"}),

@@ -64,6 +64,7 @@ def test_metrics_move_after_a_known_request(client, model_name):
 
     assert delta("llm_prompt_tokens_total") == usage["prompt_tokens"]
     assert delta("llm_generation_tokens_total") == 4
+    assert delta("llm_sampled_tokens_total") == 4
     assert delta("llm_requests_finished_total", 'reason="length"') == 1
     assert delta("llm_requests_finished_total", 'reason="abort"') == 0
     assert delta("llm_time_to_first_token_seconds_count") == 1

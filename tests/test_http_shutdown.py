@@ -203,3 +203,38 @@ def test_draining_app_refuses_new_work_and_health_says_so():
             r = client.post(path, json=body)
             assert r.status_code == 503 and r.headers["retry-after"] == "5"
         assert client.get("/metrics").status_code == 200
+
+
+def test_the_drain_says_for_how_long_it_waits_and_what_is_left(caplog):
+    """Ctrl-C under `make run` with a stream open: the log says at once that the server drains
+    and for how long at most, then what is still running, until it ends the rest."""
+    import asyncio
+    import logging
+
+    from server.metrics import Metrics
+    from server.services import EngineSlot, Services
+    from server.settings import Settings
+    from server.shutdown import drain
+
+    class Running:
+        request_id = "r1"
+
+        def __init__(self, running: set):
+            self.running = running
+
+        def end_by_server(self):
+            self.running.discard(self)
+
+    services = Services(settings=Settings(), slot=EngineSlot(), metrics=Metrics(lambda: None))
+    services.generations.add(Running(services.generations))
+    caplog.set_level(logging.INFO, logger="server.shutdown")
+    started = time.monotonic()
+    asyncio.run(drain(services, timeout=1.0, report_every=0.3))
+    assert 1.0 <= time.monotonic() - started < 3
+    messages = [r.getMessage() for r in caplog.records if r.name == "server.shutdown"]
+    assert messages[0] == ("draining: new requests get 503; 1 request running may finish for up to 1 s "
+                           "(--shutdown-timeout), then the server ends it")
+    progress = [m for m in messages if "still running, ended in" in m]
+    assert len(progress) >= 2 and progress[0].startswith("draining: 1 request still running"), messages
+    assert any("the server ends the requests still running" in m for m in messages)
+    assert not services.generations

@@ -64,7 +64,14 @@ def test_unknown_fields_are_ignored_with_one_warning_per_request(path, base, cap
     ({"skip_special_tokens": "sometimes"}, "skip_special_tokens"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": "sometimes"}}, "stream_options.continuous_usage_stats"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"best_of": 2}, "best_of"),
 ])
 def test_known_fields_with_bad_values_are_still_refused(extra, field):
     with client_for() as client:
@@ -110,7 +117,6 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(path, base):
     ("/generate", {"inputs": "x", "parameters": {"repetition_penalty": "@"}}, "parameters.repetition_penalty",
      "-Infinity"),
     ("/v1/completions", {**OPENAI[0][1], "temperature": "@"}, "temperature", "NaN"),
-    ("/v1/completions", {**OPENAI[0][1], "temperature": "@"}, "temperature", '"NaN"'),   # a string
     ("/v1/chat/completions", {**OPENAI[1][1], "top_p": "@"}, "top_p", "NaN"),
     ("/v1/completions", {**OPENAI[0][1], "repetition_penalty": "@"}, "repetition_penalty", "Infinity"),
 ])
@@ -121,6 +127,14 @@ def test_non_finite_numbers_say_they_must_be_finite(path, body, field, value):
         assert r.status_code == 422, r.text
         assert f"{field}: Input should be a finite number" in r.text
         assert "<=" not in r.text and ">=" not in r.text
+
+
+def test_a_string_is_no_number_even_one_that_reads_as_one():
+    """Types are strict, as OpenAI's and vLLM's: "NaN" or "0.5" is a string, not a number."""
+    with client_for() as client:
+        for value in ("NaN", "0.5"):
+            r = client.post("/v1/completions", json={**OPENAI[0][1], "temperature": value})
+            assert r.status_code == 422 and "temperature: Input should be a valid number" in r.text, r.text
 
 
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions"])

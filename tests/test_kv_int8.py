@@ -254,11 +254,15 @@ def test_fp8_is_refused_at_start_up_naming_int8():
 
 def test_cli_refuses_fp8_naming_int8(capsys):
     from server.cli import parse_args
+    for argv, environ in ((["--kv-cache-dtype", "fp8"], {}), ([], {"FLASHDECODE_KV_CACHE_DTYPE": "fp8"})):
+        with pytest.raises(SystemExit):
+            parse_args(argv, environ)
+        err = capsys.readouterr().err
+        assert "'fp8' was removed" in err and "use int8" in err and "--kv-cache-dtype" in err
     with pytest.raises(SystemExit):
-        parse_args(["--kv-cache-dtype", "fp8"])
-    err = capsys.readouterr().err
-    assert "'fp8' was removed" in err and "--kv-cache-dtype int8" in err
-    assert parse_args(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+        parse_args(["--kv-cache-dtype", "int4"], {})
+    assert "choose from auto, int8, not 'int4'" in capsys.readouterr().err
+    assert parse_args(["--kv-cache-dtype", "int8"], {}).kv_cache_dtype == "int8"
 
 
 @pytest.fixture(scope="module")

@@ -76,6 +76,7 @@ class EngineStats:
     kv_blocks_cached: int = 0            # blocks holding a cached prefix that no request holds
     prefix_cache_queries: int = 0        # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0           # of those, found there
+    sampled_tokens: int = 0              # tokens given to requests, counted as each step's arrive (cumulative)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class EngineCore:
                                    config.prefill_delay_steps, config.chained_prefill_tokens)
         self.steps = 0
         self.step_stats = StepStats()
+        self.sampled_tokens = 0
         self.info = ModelInfo(loaded.name, self.max_model_len, self.runner.kv_tokens, config.block_size,
                               self.blocks.num_blocks, loaded.model.get_input_embeddings().num_embeddings)
         if loaded.device.type == "cuda":
@@ -144,17 +146,18 @@ class EngineCore:
         for seq in list(itertools.chain(self.scheduler.running, self.scheduler.waiting)):
             self._finish(seq, "abort")             # only if the pool could not hold them
         self.runner.pipeline.drop()
-        self.steps = 0
+        self.steps = self.sampled_tokens = 0
         self.blocks.query_tokens = self.blocks.hit_tokens = 0
 
     def stats(self) -> EngineStats:
         b = self.blocks
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), b.num_blocks, b.num_used,
-                           self.scheduler.preemptions, b.num_cached_idle, b.query_tokens, b.hit_tokens)
+                           self.scheduler.preemptions, b.num_cached_idle, b.query_tokens, b.hit_tokens,
+                           self.sampled_tokens)
 
     def run(self, inbox) -> None:
         """Steps until a ``("stop", None)`` message. Inbox messages:
-        ``("add", (request_id, prompt_ids, params, seed))`` and ``("abort", request_id)``.
+        ``("add", (request_id, prompt_ids, params, seed, follows))`` and ``("abort", request_id)``.
         A step that raises fails the requests in the engine and the loop goes on; only
         ``MAX_FAILED_STEPS`` failures in a row (a broken device, say) end it."""
         failures = 0
@@ -198,11 +201,39 @@ class EngineCore:
         while self.busy():
             self._publish(self.step())
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
-        self.scheduler.add(Sequence(request_id, prompt_ids, params, seed))
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
+            follows: str | None = None) -> None:
+        """``follows``: the id of another choice of the same prompt, sent just before; this one
+        draws its first token from that one's prefill logits, then shares its full blocks (the
+        prompt is computed once for all choices, but for the tokens past its last full block,
+        which each computes with its first token in one more prefill)."""
+        seq = Sequence(request_id, prompt_ids, params, seed)
+        if params.penalised:
+            try:
+                seq.penalty_row = self.runner.penalties.acquire(params.presence_penalty, params.frequency_penalty,
+                                                                params.logit_bias)
+            except ValueError as exc:
+                self._publish([(request_id, self._finish(seq, "error", str(exc)))])
+                return
+        leader = None
+        if follows is not None:
+            leader = next((s for s in self.scheduler.waiting if s.request_id == follows), None)
+        if leader is not None and leader.prompt_ids == seq.prompt_ids:
+            leader.followers.append(seq)
+        else:
+            self.scheduler.add(seq)
+
+    def _held(self) -> list[Sequence]:
+        """Choices waiting for another choice's prefill (not yet in the scheduler)."""
+        return [f for s in self.scheduler.waiting for f in s.followers]
+
+    def _release_followers(self, seq: Sequence) -> None:
+        if seq.followers:
+            self.scheduler.add_next(seq.followers)
+            seq.followers = []
 
     def abort(self, request_id: str) -> None:
-        for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
+        for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting, self._held()):
             if seq.request_id == request_id:
                 self._publish([(request_id, self._finish(seq, "abort"))])
                 return
@@ -245,13 +276,24 @@ class EngineCore:
         for seq, _ in work.chunks:
             self._mark_scheduled(seq)
         ready = [i for i, (seq, take) in enumerate(work.chunks) if take == seq.prefill_remaining]
-        sampled = self.runner.prefill_step(work.chunks, ready,
-                                           self._sampling_rows([work.chunks[i][0] for i in ready]))
+        # the other choices of a prompt draw their first token from its logits too, then wait
+        # for a prefill of their tail (past the shared full blocks) and that token
+        rows, takers = list(ready), [work.chunks[i][0] for i in ready]
+        for i in ready:
+            followers = work.chunks[i][0].followers
+            rows += [i] * len(followers)
+            takers += followers
+        sampled = self.runner.prefill_step(work.chunks, rows, self._sampling_rows(takers), takers)
         for seq, take in work.chunks:
             seq.num_cached += take
             self.blocks.commit(seq)
+        bs = self.blocks.block_size
         for i in ready:
-            self.scheduler.prefill_done(work.chunks[i][0])
+            leader = work.chunks[i][0]
+            self.scheduler.prefill_done(leader)
+            for follower in leader.followers:      # the leader's full blocks, which it holds
+                follower.cached_tokens = len(leader.prompt_ids) // bs * bs if self.blocks.prefix_caching else 0
+            self._release_followers(leader)
         return self._emit(sampled)
 
     def _sampling_rows(self, seqs) -> SamplingRows:
@@ -263,7 +305,8 @@ class EngineCore:
             seeds=[s.seed for s in seqs],
             positions=[len(s.output_ids) + s.pending for s in seqs],
             history=[s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs],
-            want_logprobs=any(s.params.logprobs for s in seqs),
+            logprobs=[s.params.logprobs_asked for s in seqs] if any(s.params.logprobs for s in seqs) else None,
+            penalty_rows=([s.penalty_row for s in seqs] if any(s.penalty_row >= 0 for s in seqs) else None),
         )
 
     def _emit(self, sampled: Sampled | None) -> list[tuple[str, object]]:
@@ -277,16 +320,19 @@ class EngineCore:
         events = []
         for i, seq in enumerate(seqs):
             if not seq.is_finished:
-                logprob = token_logprobs[i] if token_logprobs is not None and seq.params.logprobs else None
-                events.extend(self._append_token(seq, token_ids[i], logprob, now))
+                self.sampled_tokens += 1
+                logprobs = token_logprobs[i] if token_logprobs is not None else None
+                events.extend(self._append_token(seq, token_ids[i], logprobs, now))
         return events
 
-    def _append_token(self, seq: Sequence, token: int, logprob, now: float):
+    def _append_token(self, seq: Sequence, token: int, logprobs, now: float):
         seq.append(token)
         cached = None
+        prompt_logprobs = None
         if seq.first_token is None:
             seq.first_token = now
             cached = seq.cached_tokens or 0
+            prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         reason = None
         eos = token in self.eos_ids
         params = seq.params
@@ -298,15 +344,28 @@ class EngineCore:
         elif len(seq.output_ids) >= params.max_new_tokens or seq.length >= self.max_model_len:
             reason = "length"
         # a stop token id prints nothing, as EOS does
-        event = TokenEvent(token, "", logprob, eos or reason == "stop" or token in self.special_ids, now,
-                           reason is not None, cached)
+        event = TokenEvent(token, "", None, eos or reason == "stop" or token in self.special_ids, now,
+                           reason is not None, cached, None, prompt_logprobs)
+        if logprobs is not None:
+            event.logprob, best, best_values = logprobs
+            k = params.top_logprobs
+            if k:
+                event.top_logprobs = list(zip(best[:k], best_values[:k]))
         if reason is None:
             return ((seq.request_id, event),)
         return (seq.request_id, event), (seq.request_id, self._finish(seq, reason))
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> FinishEvent:
         self._mark_scheduled(seq)
+        for leader in self.scheduler.waiting:
+            if seq in leader.followers:
+                leader.followers.remove(seq)
+                break
         self.scheduler.remove(seq, keep_cache=reason != "error")
+        self._release_followers(seq)
+        if seq.penalty_row >= 0:
+            self.runner.penalties.release(seq.penalty_row)
+            seq.penalty_row = -1
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         now = time.monotonic()
@@ -317,7 +376,7 @@ class EngineCore:
                            seq.cached_tokens or 0)
 
     def fail_all(self, message: str) -> None:
-        seqs = list(itertools.chain(self.scheduler.running, self.scheduler.waiting))
+        seqs = list(itertools.chain(self.scheduler.running, self.scheduler.waiting, self._held()))
         events = []
         for seq in seqs:
             try:

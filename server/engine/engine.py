@@ -21,6 +21,7 @@ from .core import EngineCore, EngineStats, ModelInfo
 from .errors import EngineDeadError, QueueFullError
 from .output import OutputProcessor
 from .params import FinishEvent, SamplingParams
+from .pipeline import MAX_TOP_LOGPROBS
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +102,23 @@ class EngineFrontend:
                              f"is {total}, over the context length of {self.info.max_model_len}")
         if total > self.info.kv_tokens:
             raise ValueError(f"{total} tokens do not fit in the KV pool ({self.info.kv_tokens} tokens)")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} {value} is outside 0..{MAX_TOP_LOGPROBS}")
+        bad = next((i for i, _ in params.logit_bias if not 0 <= i < self.info.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary (0..{self.info.vocab_size - 1})")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.info.vocab_size:
             bad = next(i for i in prompt_ids if not 0 <= i < self.info.vocab_size)
             raise ValueError(f"token id {bad} is outside the model's vocabulary of {self.info.vocab_size} "
                              f"(0..{self.info.vocab_size - 1})")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> RequestStream:
-        """Call from the event loop. Raises ValueError, QueueFullError or EngineDeadError."""
+                    request_id: str | None = None, follows: str | None = None) -> RequestStream:
+        """Call from the event loop. Raises ValueError, QueueFullError or EngineDeadError.
+        ``follows``: the engine id (``RequestStream.request_id``) of another choice of the same
+        prompt added just before: the core computes the prompt once for both (``EngineCore.add``)."""
         if self.error is not None:
             raise EngineDeadError(self.error)
         if not self.ready:
@@ -135,7 +145,7 @@ class EngineFrontend:
             self._started(stream)                  # a failure fanned out to it later leaves the counts alone
             raise EngineDeadError(self.error)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        self._send(("add", (request_id, list(prompt_ids), params, seed)))
+        self._send(("add", (request_id, list(prompt_ids), params, seed, follows)))
         return stream
 
     def abort(self, request_id: str) -> None:

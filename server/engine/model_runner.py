@@ -22,9 +22,10 @@ from models import (AttentionBatch, FusedDecoder, LoadedModel, cpu_forward, cpu_
 
 from .config import EngineConfig
 from .graphs import capture_graphs
+from .penalties import PenaltyState
 from .pipeline import Sampled, StepPipeline
 from .prefill_graphs import PrefillGraphs, key_rows, token_slots
-from .sampler import SamplingRows, argmax_rows, clean_logits, sample, sample_clean
+from .sampler import SamplingRows, argmax_rows, clean_logits, prompt_logprobs, sample, sample_clean
 from .threads import configure_cpu_threads
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(self.num_layers)]
         self._init_decode_buffers()
+        self.penalties = PenaltyState(cfg.vocab_size, self.device)
         self.forward = self._pick_forward(config)
         # int8: each layer's (k_scale, v_scale), the row scales beside the caches, written with the rows
         self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -213,22 +215,33 @@ class ModelRunner:
         logits, greedy = self._decode(seqs, self.pipeline.sources(seqs))
         ids = logprobs = None
         if not rows.greedy_only:                       # else the step wrote its ids already
-            ids, logprobs = sample_clean(logits, rows, greedy)
+            ids, logprobs = sample_clean(logits, rows, greedy, self.penalties)
         for seq in seqs:
             seq.num_cached = seq.total_len
         return self.pipeline.launch(seqs, ids, logprobs)
 
     @torch.inference_mode()
-    def prefill_step(self, chunks, ready: list[int], rows: SamplingRows) -> Sampled | None:
+    def prefill_step(self, chunks, ready: list[int], rows: SamplingRows, takers=None) -> Sampled | None:
         """Runs prompt chunks; samples the first token of the chunks at indices ``ready`` (those
-        that complete their prompt) and reads it back at once."""
-        logits = self.prefill(chunks)
+        that complete their prompt) and reads it back at once. ``takers``: the sequence each
+        entry of ``ready`` samples for (default: the chunk's own; an index may repeat, for other
+        choices of the same prompt). Sequences that ask for their prompt's log-probabilities get
+        this chunk's added to ``seq.prompt_logprobs``."""
+        wanting = [i for i, (seq, _) in enumerate(chunks) if seq.prompt_logprobs is not None]
+        if wanting:
+            logits, every_row = self._prefill_packed(chunks, every_row_of=wanting)
+            for i, chunk_logits in zip(wanting, every_row):
+                seq, take = chunks[i]
+                seq.prompt_logprobs.extend(prompt_logprobs(chunk_logits, seq.prompt_ids, seq.num_cached,
+                                                           seq.params.prompt_logprobs))
+        else:
+            logits = self.prefill(chunks)
         if not ready:
             return None
-        if len(ready) < len(chunks):
+        if ready != list(range(len(chunks))):
             logits = logits[torch.tensor(ready, device=logits.device)]
-        ids, logprobs = sample(logits, rows)
-        return self.pipeline.read_now([chunks[i][0] for i in ready], ids, logprobs)
+        ids, logprobs = sample(logits, rows, self.penalties)
+        return self.pipeline.read_now(takers or [chunks[i][0] for i in ready], ids, logprobs)
 
     @torch.inference_mode()
     def decode(self, seqs, sources=None) -> torch.Tensor:
@@ -260,7 +273,10 @@ class ModelRunner:
                 return graphs.run(chunks, slots, shape)
         return self._prefill_packed(chunks)
 
-    def _prefill_packed(self, chunks) -> torch.Tensor:
+    def _prefill_packed(self, chunks, every_row_of: list[int] = ()):
+        """The packed prefill of ``chunks``: logits of each chunk's last token; with
+        ``every_row_of`` (chunk indices), also the logits of every token of those chunks, a list
+        of [take, vocab] tensors, as a second value."""
         ids, positions, slots, starts, contexts = [], [], [], [0], []
         for seq, take in chunks:
             first = seq.num_cached
@@ -290,9 +306,19 @@ class ModelRunner:
                                cu_query_starts=to_dev(starts) if on_gpu else None,
                                max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
                                kv_scales=self.kv_scales, **context)
-        last_rows = to_dev([s - 1 for s in starts[1:]])
-        return self.forward(to_dev(ids).unsqueeze(0), to_dev(positions).unsqueeze(0),
-                              batch, logits_rows=last_rows)
+        last = [s - 1 for s in starts[1:]]
+        if not every_row_of:
+            return self.forward(to_dev(ids).unsqueeze(0), to_dev(positions).unsqueeze(0),
+                                batch, logits_rows=to_dev(last))
+        extra = [r for i in every_row_of for r in range(starts[i], starts[i + 1])]
+        logits = self.forward(to_dev(ids).unsqueeze(0), to_dev(positions).unsqueeze(0),
+                              batch, logits_rows=to_dev(last + extra))
+        spans, at = [], len(last)
+        for i in every_row_of:
+            take = starts[i + 1] - starts[i]
+            spans.append(logits[at:at + take])
+            at += take
+        return logits[:len(last)], spans
 
     def _to_device(self, values) -> torch.Tensor:
         host = torch.as_tensor(np.asarray(values, dtype=np.int32))

@@ -16,7 +16,12 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False   # the text ends after the stop string instead of before it
-    logprobs: bool = False
+    logprobs: bool = False              # the sampled token's log-probability (raw: before penalties and temperature)
+    top_logprobs: int = 0               # with logprobs: also the this many likeliest tokens and theirs
+    prompt_logprobs: int | None = None  # the prompt tokens' log-probabilities, with this many likeliest at each
+    presence_penalty: float = 0.0       # subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0      # subtracted once per time a token was generated so far
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
     ignore_eos: bool = False
     min_tokens: int = 0                 # EOS, stop_token_ids and stop strings do not end the request before this many
     stop_token_ids: frozenset[int] = frozenset()   # these end the request ("stop"), as EOS does
@@ -26,6 +31,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a presence or frequency penalty or a logit bias changes the logits (each such
+        request holds a row of ``penalties.PenaltyState``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    @property
+    def logprobs_asked(self) -> int:
+        """-1: none; else how many likeliest tokens to report beside the sampled one."""
+        return self.top_logprobs if self.logprobs else -1
 
 
 @dataclass(slots=True)
@@ -41,6 +57,10 @@ class TokenEvent:
     time: float = 0.0                   # time.monotonic() when the engine produced it
     last: bool = False                  # the request's FinishEvent is queued right behind it
     cached_tokens: int | None = None    # on a request's first token: its prompt tokens found in the prefix cache
+    top_logprobs: list[tuple[int, float]] | None = None    # the likeliest tokens (id, log-probability), best first
+    # on a request's first token, if asked: per prompt position after the first, (log-probability of the
+    # prompt's token there, its rank, [(id, log-probability) of the likeliest tokens])
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)

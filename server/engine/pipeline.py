@@ -25,30 +25,48 @@ import torch
 
 
 class Sampled(NamedTuple):
-    """A step's sampled ids, read back: one per sequence, with log-probabilities if asked for."""
+    """A step's sampled ids, read back: one per sequence, with log-probabilities where asked for."""
     seqs: list
     ids: list[int]
-    logprobs: list[float] | None
+    logprobs: list[tuple[float, list[int], list[float]] | None] | None   # per sequence: (of the token drawn,
+                                                                      # likeliest ids, their values)
     waited_s: float                               # host time spent waiting for the copy
+
+
+MAX_TOP_LOGPROBS = 20                             # top log-probabilities per row a step reads back at most
+
+
+def _into(host: torch.Tensor, tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """``tensor`` copied into the front of the flat pinned buffer ``host`` (without waiting for it
+    on CUDA), viewed in ``tensor``'s shape."""
+    if tensor is None:
+        return None
+    view = host[:tensor.numel()].view(tensor.shape)
+    view.copy_(tensor, non_blocking=True)
+    return view
 
 
 class _Readback:
     """One step's sampled ids (and log-probabilities) on their way to pinned host buffers."""
 
-    def __init__(self, seqs, ids_host: torch.Tensor, logprobs_host: torch.Tensor | None, count: int, done):
-        self.seqs, self._ids, self._logprobs, self._count, self._done = seqs, ids_host, logprobs_host, count, done
+    def __init__(self, seqs, ids_host: torch.Tensor, logprobs, count: int, done):
+        self.seqs, self._ids, self._logprobs, self._count, self._done = seqs, ids_host, logprobs, count, done
 
     @classmethod
-    def launch(cls, seqs, ids: torch.Tensor, logprobs: torch.Tensor | None, ids_host: torch.Tensor,
-               logprobs_host: torch.Tensor, done: torch.cuda.Event | None) -> "_Readback":
-        """``ids``: int32 on the device."""
+    def launch(cls, seqs, ids: torch.Tensor, logprobs, ids_host: torch.Tensor, logprobs_host: tuple,
+               done: torch.cuda.Event | None) -> "_Readback":
+        """``ids``: int32 on the device; ``logprobs``: a ``sampler.StepLogprobs`` or None, read
+        into ``logprobs_host`` (three flat pinned buffers)."""
         count = ids.shape[0]
         ids_host[:count].copy_(ids, non_blocking=True)
+        host_logprobs = None
         if logprobs is not None:
-            logprobs_host[:count].copy_(logprobs, non_blocking=True)
+            sampled, top_ids, top_values = logprobs_host
+            host_logprobs = (logprobs.rows, _into(sampled, logprobs.sampled), _into(top_ids, logprobs.top_ids),
+                             _into(top_values, logprobs.top_logprobs))
         if done is not None:
             done.record()
-        return cls(seqs, ids_host, logprobs_host if logprobs is not None else None, count, done)
+        return cls(seqs, ids_host, host_logprobs, count, done)
 
     def read(self) -> Sampled:
         waited = 0.0
@@ -58,7 +76,15 @@ class _Readback:
             waited = time.monotonic() - started
         n = self._count
         ids = self._ids[:n].tolist()
-        logprobs = self._logprobs[:n].tolist() if self._logprobs is not None else None
+        logprobs = None
+        if self._logprobs is not None:
+            rows, sampled, top_ids, top_values = self._logprobs
+            logprobs = [None] * n
+            sampled = sampled.tolist()
+            top_ids = top_ids.tolist() if top_ids is not None else [[]] * len(rows)
+            top_values = top_values.tolist() if top_values is not None else [[]] * len(rows)
+            for row, value, best, best_values in zip(rows, sampled, top_ids, top_values):
+                logprobs[row] = (value, best, best_values)
         for seq in self.seqs:
             seq.pending -= 1
         return Sampled(self.seqs, ids, logprobs, waited)
@@ -88,7 +114,9 @@ class StepPipeline:
         self.slots.fill_(-1)
         self.seq_lens.fill_(1)
         self._readback = [(torch.zeros(n, dtype=torch.int32, pin_memory=pin),
-                           torch.zeros(n, dtype=torch.float32, pin_memory=pin),
+                           (torch.zeros(n, dtype=torch.float32, pin_memory=pin),
+                            torch.zeros(n * MAX_TOP_LOGPROBS, dtype=torch.int32, pin_memory=pin),
+                            torch.zeros(n * MAX_TOP_LOGPROBS, dtype=torch.float32, pin_memory=pin)),
                            torch.cuda.Event() if pin else None) for _ in range(3)]
         self._steps = 0
         self._inflight: _Readback | None = None
@@ -143,7 +171,7 @@ class StepPipeline:
         gather on the device, so a graph replays it)."""
         torch.index_select(self._packed, 0, self._input_rows[:rows], out=self.input_ids[:rows, 0])
 
-    def launch(self, seqs, ids: torch.Tensor | None, logprobs: torch.Tensor | None) -> Sampled | None:
+    def launch(self, seqs, ids: torch.Tensor | None, logprobs) -> Sampled | None:
         """A decode step's sampled ids (None: the step already wrote them into ``sampled``): kept
         on the device for the next step's inputs and sent to the host; returns the previous
         step's, read back (None if there was none)."""
@@ -156,7 +184,7 @@ class StepPipeline:
         self._inflight = _Readback.launch(seqs, self.sampled[:len(seqs)], logprobs, *self._readback[self._steps % 2])
         return previous.read() if previous is not None else None
 
-    def read_now(self, seqs, ids: torch.Tensor, logprobs: torch.Tensor | None) -> Sampled:
+    def read_now(self, seqs, ids: torch.Tensor, logprobs) -> Sampled:
         """A prefill's sampled ids, read back at once (the decode step in flight is left alone)."""
         for seq in seqs:
             seq.pending += 1

@@ -181,12 +181,13 @@ class RequestInbox:
 def _pack(pairs) -> list[tuple]:
     """A step's events for the pipe: token events as plain tuples, which pickle and unpickle
     several times faster than the dataclass."""
-    return [(rid, e.token_id, e.logprob, e.special, e.time, e.last, e.cached_tokens) if type(e) is TokenEvent
+    return [(rid, e.token_id, e.logprob, e.special, e.time, e.last, e.cached_tokens, e.top_logprobs,
+             e.prompt_logprobs) if type(e) is TokenEvent
             else (rid, e) for rid, e in pairs]
 
 
 def _unpack(rows) -> list[tuple[str, object]]:
-    return [(r[0], TokenEvent(r[1], "", r[2], r[3], r[4], r[5], r[6])) if len(r) == 7 else r for r in rows]
+    return [(r[0], TokenEvent(r[1], "", *r[2:])) if len(r) == 9 else r for r in rows]
 
 
 class _Router:

@@ -1,15 +1,23 @@
 """Token selection on the device the logits live on.
 
-Greedy rows take the argmax. Sampled rows apply repetition penalty, temperature, top-k and
-top-p, then draw by the exponential race (argmax of p / E with E ~ Exp(1)). The uniforms behind
-E come from a counter-based hash of (request seed, output position, token id), so a request
-with a seed yields the same text whatever else shares its batch.
+Rows that ask for log-probabilities get them from the model's own distribution: the
+log-softmax of the raw logits, before any bias, penalty or temperature (vLLM V1's default,
+``raw_logprobs``), computed only for those rows. Then, in vLLM's order, the logit bias, the
+repetition penalty, the presence and frequency penalties change the logits of the rows that
+have them (a step whose rows have none skips each). Greedy rows take the argmax. Sampled rows
+apply temperature, top-k and top-p, then draw by the exponential race (argmax of p / E with
+E ~ Exp(1)). The uniforms behind E come from a counter-based hash of (request seed, output
+position, token id), so a request with a seed yields the same text whatever else shares its
+batch.
 """
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from .penalties import PenaltyState, to_device
 
 MASK32 = 0xFFFFFFFF
 
@@ -24,13 +32,26 @@ class SamplingRows:
     seeds: list[int]
     positions: list[int]                 # output index of the token being drawn
     history: list[list[int]] | None      # token ids seen, for rows with a repetition penalty
-    want_logprobs: bool
+    logprobs: list[int] | None = None    # per row: -1 none, else the sampled token's and this many top ones
+    penalty_rows: list[int] | None = None  # per row: its PenaltyState row, -1 none; None: no row has one
+
+    @property
+    def want_logprobs(self) -> bool:
+        return self.logprobs is not None and any(k >= 0 for k in self.logprobs)
 
     @property
     def greedy_only(self) -> bool:
         """Whether every row takes the argmax of its unchanged logits, without log-probabilities."""
-        return (not self.want_logprobs and all(t <= 0 for t in self.temperature)
+        return (not self.want_logprobs and self.penalty_rows is None and all(t <= 0 for t in self.temperature)
                 and all(p == 1.0 for p in self.repetition_penalty))
+
+
+class StepLogprobs(NamedTuple):
+    """Log-probabilities of the rows ``rows`` (host list) of a step, on the device."""
+    rows: list[int]
+    sampled: torch.Tensor                # [r] float32: of the token drawn
+    top_ids: torch.Tensor | None         # [r, k] int32, the likeliest first; None when no row asks for any
+    top_logprobs: torch.Tensor | None    # [r, k] float32
 
 
 def clean_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -85,6 +106,68 @@ def _apply_repetition_penalty(logits, penalty, history):
     logits[row_index] = sub
 
 
+def _penalty_index(rows: SamplingRows, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch rows that hold a PenaltyState row, and those state rows, on the device."""
+    pairs = [(i, r) for i, r in enumerate(rows.penalty_rows) if r >= 0]
+    return (to_device([i for i, _ in pairs], torch.int64, device),
+            to_device([r for _, r in pairs], torch.int64, device))
+
+
+def apply_logit_bias(logits: torch.Tensor, batch_rows: torch.Tensor, state_rows: torch.Tensor,
+                     state: PenaltyState) -> None:
+    """logits[i] += bias[i] (OpenAI's logit_bias), in place."""
+    logits.index_add_(0, batch_rows, state.bias[state_rows])
+
+
+def apply_presence_frequency(logits: torch.Tensor, batch_rows: torch.Tensor, state_rows: torch.Tensor,
+                             state: PenaltyState) -> None:
+    """OpenAI's definition, over the tokens generated so far (count c[j] of token j):
+    logits[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty, in place."""
+    counts = state.counts[state_rows]
+    penalty = (counts * state.frequency[state_rows].unsqueeze(1)
+               + (counts > 0).to(counts.dtype) * state.presence[state_rows].unsqueeze(1))
+    logits.index_add_(0, batch_rows, penalty, alpha=-1.0)
+
+
+def count_generated(ids: torch.Tensor, batch_rows: torch.Tensor, state_rows: torch.Tensor,
+                    state: PenaltyState) -> None:
+    """Adds the drawn tokens to their requests' counts, on the device."""
+    flat = state_rows * state.vocab + ids[batch_rows]
+    one = torch.ones(1, dtype=state.counts.dtype, device=ids.device).expand(batch_rows.shape[0])
+    state.counts.view(-1).index_add_(0, flat, one)
+
+
+def top_logprobs(raw: torch.Tensor, ids: torch.Tensor, asked: list[int], rows: list[int]) -> StepLogprobs:
+    """From ``raw`` = log-softmax of the asking rows' logits: the drawn token's value and the
+    ``max(asked)`` likeliest tokens of each row (a row that asked for fewer reads only its first)."""
+    sampled = raw.gather(1, ids.unsqueeze(1)).squeeze(1)
+    k = max(asked)
+    if k <= 0:
+        return StepLogprobs(rows, sampled, None, None)
+    values, indices = raw.topk(min(k, raw.shape[-1]), dim=-1)
+    return StepLogprobs(rows, sampled, indices.to(torch.int32), values)
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], first: int,
+                    k: int) -> list[tuple[float, int, list[tuple[int, float]]]]:
+    """Per prompt position after ``first`` that ``logits`` (of the prompt's tokens from position
+    ``first`` on, row j predicting position first + j + 1) predict: the raw log-probability of the
+    prompt's token there, its rank (1: the likeliest) and the ``k`` likeliest tokens. Read back at
+    once (a prefill step)."""
+    targets = prompt_ids[first + 1:first + 1 + logits.shape[0]]
+    if not targets:
+        return []
+    raw = clean_logits(logits[:len(targets)]).log_softmax(dim=-1)
+    index = torch.tensor(targets, dtype=torch.int64, device=raw.device)
+    chosen = raw.gather(1, index.unsqueeze(1))
+    ranks = ((raw > chosen).sum(dim=-1) + 1).tolist()
+    values = chosen.squeeze(1).tolist()
+    if k <= 0:
+        return [(v, r, []) for v, r in zip(values, ranks)]
+    best, best_ids = raw.topk(min(k, raw.shape[-1]), dim=-1)
+    return [(v, r, list(zip(i, b))) for v, r, i, b in zip(values, ranks, best_ids.tolist(), best.tolist())]
+
+
 def _filter_top_k_top_p(scaled, top_k, top_p):
     device = scaled.device
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
@@ -99,18 +182,31 @@ def _filter_top_k_top_p(scaled, top_k, top_p):
     return torch.full_like(scaled, float("-inf")).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns token ids [n] (int64) and, if asked, their log-probabilities [n]."""
-    return sample_clean(clean_logits(logits), rows)
+def sample(logits: torch.Tensor, rows: SamplingRows,
+           penalties: PenaltyState | None = None) -> tuple[torch.Tensor, StepLogprobs | None]:
+    """Returns token ids [n] (int64) and, for the rows that ask, their log-probabilities."""
+    return sample_clean(clean_logits(logits), rows, penalties=penalties)
 
 
-def sample_clean(logits: torch.Tensor, rows: SamplingRows,
-                 greedy_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``sample`` of logits that went through ``clean_logits`` (a repetition penalty changes them in
+def sample_clean(logits: torch.Tensor, rows: SamplingRows, greedy_ids: torch.Tensor | None = None,
+                 penalties: PenaltyState | None = None) -> tuple[torch.Tensor, StepLogprobs | None]:
+    """``sample`` of logits that went through ``clean_logits`` (biases and penalties change them in
     place); ``greedy_ids``: their ``argmax_rows`` where already known."""
+    raw = asking = None
+    if rows.want_logprobs:
+        asking = [i for i, k in enumerate(rows.logprobs) if k >= 0]
+        index = None if len(asking) == len(rows.logprobs) else to_device(asking, torch.int64, logits.device)
+        raw = (logits if index is None else logits.index_select(0, index)).log_softmax(dim=-1)
+    penalty_index = None
+    if rows.penalty_rows is not None:
+        penalty_index = _penalty_index(rows, logits.device)
+        apply_logit_bias(logits, *penalty_index, penalties)
+        greedy_ids = None
     if any(p != 1.0 for p in rows.repetition_penalty):
         _apply_repetition_penalty(logits, rows.repetition_penalty, rows.history)
         greedy_ids = None
+    if penalty_index is not None:
+        apply_presence_frequency(logits, *penalty_index, penalties)
     if greedy_ids is None:
         greedy_ids = argmax_rows(logits)
     ids, scaled = greedy_ids, logits
@@ -127,7 +223,10 @@ def sample_clean(logits: torch.Tensor, rows: SamplingRows,
         drawn = argmax_rows(race)
         greedy_rows = torch.tensor([t <= 0 for t in rows.temperature], device=device)
         ids = torch.where(greedy_rows, greedy_ids, drawn)
+    if penalty_index is not None:
+        count_generated(ids, *penalty_index, penalties)
     logprobs = None
-    if rows.want_logprobs:
-        logprobs = scaled.log_softmax(dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
+    if raw is not None:
+        drawn = ids if len(asking) == len(rows.logprobs) else ids[to_device(asking, torch.int64, ids.device)]
+        logprobs = top_logprobs(raw, drawn, [rows.logprobs[i] for i in asking], asking)
     return ids, logprobs

@@ -25,6 +25,10 @@ from dataclasses import dataclass
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
 
+# A prompt whose log-probabilities are asked for is prefilled in chunks of at most this many
+# tokens, each chunk's logits over the whole vocabulary held at once.
+PROMPT_LOGPROBS_CHUNK = 512
+
 
 @dataclass
 class PrefillStep:
@@ -104,11 +108,12 @@ class Scheduler:
             if budget == 0 or len(self.running) + len(chunks) >= self.max_batch:
                 break
             fresh = not seq.block_table            # nothing computed yet, or preempted since
-            if fresh:
+            scoring = seq.prompt_logprobs is not None   # every prompt position must run through the model
+            if fresh and not scoring:
                 seq.num_cached = self.blocks.match(seq)
-            take = min(seq.prefill_remaining, budget)
+            take = min(seq.prefill_remaining, budget, PROMPT_LOGPROBS_CHUNK if scoring else budget)
             if not self.blocks.can_grow(seq.block_table, seq.num_cached + take):
-                if fresh:
+                if fresh and not scoring:
                     self.blocks.unmatch(seq)
                 break
             if seq.cached_tokens is None:
@@ -138,6 +143,12 @@ class Scheduler:
                 self.blocks.grow(seq.block_table, seq.total_len)
                 scheduled.append(seq)
         return DecodeStep(scheduled) if scheduled else None
+
+    def add_next(self, seqs: list[Sequence]) -> None:
+        """``seqs`` first in line, but behind a prompt whose prefill is under way (see ``preempt``)."""
+        ahead = next((i for i, s in enumerate(self.waiting) if not s.block_table), len(self.waiting))
+        for seq in reversed(seqs):
+            self.waiting.insert(ahead, seq)
 
     def prefill_done(self, seq: Sequence) -> None:
         """``seq``'s whole prompt is in the cache: it decodes from the next step on."""

@@ -32,6 +32,10 @@ class Sequence:
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
         self.preemptions = 0
+        self.penalty_row = -1                    # its row of the runner's PenaltyState, if it has one
+        # while its prompt is first prefilled, if asked: the prompt tokens' log-probabilities so far
+        self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None
+        self.followers: list["Sequence"] = []   # choices of the same prompt waiting for its prefill
 
     def append(self, token: int) -> None:
         self.output_ids.append(token)

@@ -9,7 +9,7 @@
 # (ARCH_PRESETS narrows it), B = 1 and 64, prompt 128, 256 new tokens; its table last.
 #
 # HTTP_WORKER_COUNTS="1 4" runs the HTTP load test once per API worker count (default: the server's auto).
-# (Not API_WORKERS: the server reads that one itself.) LOADGEN_WORKERS: client processes (default 8;
+# (Not FLASHDECODE_API_WORKERS: the server reads that one itself.) LOADGEN_WORKERS: client processes (default 8;
 # at 256 streams 4 of them ran at about 90 % CPU each and set the pace).
 # GPU_TESTS narrows the tests stage (pytest paths); KERNEL_BENCH_ARGS go to benchmarks.kernel_bench (both stages).
 # int8: the int8 KV cache's GPU tests, its accuracy on the real SmolLM2 weights against the fp32
