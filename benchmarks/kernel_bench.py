@@ -9,10 +9,10 @@ table plus the geometric means the targets name. ``--repeat`` times each case se
 interleaved; ``--only``, ``--shapes``, ``--batches``, ``--lengths``, ``--quick`` and ``--max-kv-mb``
 leave out cases. ``--window W`` also times our kernel with a sliding window of W on every case
 longer than W (its planned span and reads are the window's), beside the unwindowed call. It also
-times the launch floor: one and two trivial kernels per call, replayed the same way. ``--fp8``
-adds our kernel on float8_e4m3fn caches of the same values (per-head scales) and a table of its
-speedup over our bf16 kernel and over cuDNN bf16 (issue 23's targets), and with ``--window`` the
-windowed call on fp8 caches too; ``--peers`` picks the SDPA backends.
+times the launch floor: one and two trivial kernels per call, replayed the same way. ``--int8``
+adds our kernel on int8 caches of the same values (a scale per token and KV head) and a table of
+its speedup over our bf16 kernel and over cuDNN bf16 (issue 49's targets), and with ``--window``
+the windowed call on int8 caches too; ``--peers`` picks the SDPA backends.
 """
 
 import argparse
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import constants, ops
-from kernels.kv_quant import quantize, scales_from_amax
+from kernels.kv_quant import quantize_rows
 from kernels.paging import DEFAULT_BLOCK_SIZE, pack_paged
 from kernels.workspace import Workspace
 
@@ -86,7 +86,7 @@ def replay_us(graph, reps: int) -> float:
 
 
 class Case:
-    def __init__(self, shape, batch, seq_len, block_size, device, window=None, fp8=False):
+    def __init__(self, shape, batch, seq_len, block_size, device, window=None, int8=False):
         self.shape, self.batch, self.seq_len = shape, batch, seq_len
         num_q, num_kv, dim = shape
         self.bytes = kv_bytes(batch, num_kv, seq_len, dim)
@@ -100,7 +100,11 @@ class Case:
         self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
         self.workspace = Workspace(batch, num_q, dim, seq_len, device, num_kv_heads=num_kv, windows=(window,))
         self.paged = [(q, *pack_paged(k, v, block_size)) for q, k, v in self.dense]
-        self.fp8 = [(q, *fp8_caches(kc, vc), bt) for q, kc, vc, bt in self.paged] if fp8 else []
+        self.int8 = [(q, *int8_caches(kc, vc), bt) for q, kc, vc, bt in self.paged] if int8 else []
+        # int8 A/B: the same calls planned with twice the splits (the consumers convert codes, so
+        # more blocks per SM may pay where the bf16 plan runs one)
+        self.workspace_2x = (Workspace(batch, num_q, dim, seq_len, device, num_kv_heads=num_kv, windows=(window,),
+                                       split_scale=2) if int8 else None)
 
     def ours(self, window=None):
         def make(q, kc, vc, bt):
@@ -108,11 +112,13 @@ class Case:
                                                  window=window)
         return [make(*s) for s in self.paged]
 
-    def ours_fp8(self, window=None):
+    def ours_int8(self, window=None, workspace=None):
+        workspace = workspace or self.workspace
+
         def make(q, kc, vc, ks, vs, bt):
-            return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=self.workspace,
+            return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=workspace,
                                                  window=window, k_scale=ks, v_scale=vs)
-        return [make(*s) for s in self.fp8]
+        return [make(*s) for s in self.int8]
 
     def peer(self, backend):
         def make(q, k, v):
@@ -125,11 +131,18 @@ class Case:
         return [make(*s) for s in self.dense]
 
 
-def fp8_caches(k_cache, v_cache):
-    """The caches' e4m3 codes at per-KV-head scales of their largest magnitudes, and the scales."""
-    ks = scales_from_amax(k_cache.float().abs().amax(dim=(0, 2, 3)))
-    vs = scales_from_amax(v_cache.float().abs().amax(dim=(0, 2, 3)))
-    return quantize(k_cache, ks), quantize(v_cache, vs), ks, vs
+def int8_caches(k_cache, v_cache, blocks_per_pass=4096):
+    """The caches' int8 rows: ``(k codes, v codes, k scales, v scales)``, quantised a slice of
+    blocks at a time (the float32 copies of a whole large cache would not fit beside it)."""
+    out = []
+    for cache in (k_cache, v_cache):
+        codes = torch.empty(cache.shape, dtype=torch.int8, device=cache.device)
+        scales = torch.empty(cache.shape[:3], dtype=torch.float16, device=cache.device)
+        for i in range(0, cache.shape[0], blocks_per_pass):
+            codes[i:i + blocks_per_pass], scales[i:i + blocks_per_pass] = quantize_rows(cache[i:i + blocks_per_pass])
+        out.append((codes, scales))
+    (kc, ks), (vc, vs) = out
+    return kc, vc, ks, vs
 
 
 def try_time(calls):
@@ -189,21 +202,23 @@ def summarize(rows):
     return "\n".join(lines), targets
 
 
-def summarize_fp8(rows):
-    """Our kernel on fp8 caches against ours on bf16 caches and cuDNN on bf16 (issue 23)."""
-    lines = ["| shape | B | M | bf16 KV MB | ours bf16 us | ours fp8 us | cuDNN bf16 us | fp8 / bf16 speedup | "
-             "fp8 / cuDNN speedup | fp8 % of 4.5 TB/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+def summarize_int8(rows):
+    """Our kernel on int8 caches against ours on bf16 caches and cuDNN on bf16 (issue 49)."""
+    lines = ["| shape | B | M | bf16 KV MB | splits | ours bf16 us | ours int8 us | cuDNN bf16 us | int8 / bf16 | "
+             "int8 / cuDNN | int8 % of 4.5 TB/s | int8, 2x splits: splits, us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['batch']} | {r['seq_len']} | {r['kv_mb']:.1f} | {fmt(r['ours_us'])} | "
-                     f"{fmt(r['ours_fp8_us'])} | {fmt(r['cudnn_us'])} | {fmt(r['fp8_speedup'], '.2f')} | "
-                     f"{fmt(r['fp8_vs_cudnn'], '.2f')} | {fmt(r['fp8_pct_peak'])} |")
-    big = [r["fp8_speedup"] for r in rows if r["kv_mb"] >= 200 and r["fp8_speedup"]]
-    every = [r["fp8_speedup"] for r in rows if r["fp8_speedup"]]
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['seq_len']} | {r['kv_mb']:.1f} | {r['num_splits']} | "
+                     f"{fmt(r['ours_us'])} | {fmt(r['ours_int8_us'])} | {fmt(r['cudnn_us'])} | "
+                     f"{fmt(r['int8_speedup'], '.2f')} | {fmt(r['int8_vs_cudnn'], '.2f')} | {fmt(r['int8_pct_peak'])} | "
+                     f"{r['int8_2x_splits']}, {fmt(r['ours_int8_2x_us'])} |")
+    big = [r["int8_speedup"] for r in rows if r["kv_mb"] >= 200 and r["int8_speedup"]]
+    every = [r["int8_speedup"] for r in rows if r["int8_speedup"]]
     targets = {
-        "min fp8 speedup over our bf16, bf16 KV >= 200 MB (target >= 1.8)": min(big, default=None),
-        "min fp8 speedup over our bf16, all (target >= 1.0)": min(every, default=None),
-        "geomean fp8 speedup over our bf16, all": geomean(every),
-        "geomean fp8 speedup over cuDNN bf16, all": geomean([r["fp8_vs_cudnn"] for r in rows if r["fp8_vs_cudnn"]]),
+        "min int8 speedup over our bf16, bf16 KV >= 200 MB (target >= 1.8)": min(big, default=None),
+        "min int8 speedup over our bf16, all (target >= 1.0)": min(every, default=None),
+        "geomean int8 speedup over our bf16, all": geomean(every),
+        "geomean int8 speedup over cuDNN bf16, all": geomean([r["int8_vs_cudnn"] for r in rows if r["int8_vs_cudnn"]]),
     }
     lines.append("")
     lines += [f"{name}: {fmt(value, '.3f')}" for name, value in targets.items()]
@@ -244,7 +259,7 @@ def main(argv=None):
     parser.add_argument("--batches", nargs="*", type=int, default=BATCHES)
     parser.add_argument("--lengths", nargs="*", type=int, default=LENGTHS)
     parser.add_argument("--window", type=int, default=None, help="also time a sliding window of this many tokens")
-    parser.add_argument("--fp8", action="store_true", help="also time our kernel on fp8 caches (a table of its own)")
+    parser.add_argument("--int8", action="store_true", help="also time our kernel on int8 caches (a table of its own)")
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS), help="SDPA backends timed")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -274,7 +289,7 @@ def main(argv=None):
                 if args.only and f"{label}:{batch}:{seq_len}" not in args.only:
                     continue
                 window = args.window if args.window and args.window < seq_len else None
-                case = Case(shape, batch, seq_len, args.block_size, device, window, fp8=args.fp8)
+                case = Case(shape, batch, seq_len, args.block_size, device, window, int8=args.int8)
                 plan = case.workspace.plan(batch)
                 row = {"shape": label, "batch": batch, "seq_len": seq_len, "kv_mb": nbytes / 1e6,
                        "num_sets": case.num_sets, "num_splits": plan.num_splits, "three_per_sm": plan.three_per_sm}
@@ -283,10 +298,12 @@ def main(argv=None):
                 row["ours_us"] = statistics.median(samples) if samples else None
                 if args.repeat > 1:
                     row["ours_all_us"] = samples
-                if args.fp8:
-                    fp8 = [try_time(case.ours_fp8()) for _ in range(args.repeat)]
-                    fp8 = [v for v in fp8 if v is not None]
-                    row["ours_fp8_us"] = statistics.median(fp8) if fp8 else None
+                if args.int8:
+                    int8 = [try_time(case.ours_int8()) for _ in range(args.repeat)]
+                    int8 = [v for v in int8 if v is not None]
+                    row["ours_int8_us"] = statistics.median(int8) if int8 else None
+                    row["int8_2x_splits"] = case.workspace_2x.plan(batch).num_splits
+                    row["ours_int8_2x_us"] = try_time(case.ours_int8(workspace=case.workspace_2x))
                 for name, backend in PEERS.items():
                     row[f"{name}_us"] = try_time(case.peer(backend)) if name in args.peers else None
                 peers = [row[f"{n}_us"] for n in PEERS if row[f"{n}_us"]]
@@ -295,14 +312,15 @@ def main(argv=None):
                 row["pct_peak"] = 100 * nbytes / (ours * 1e-6) / PEAK_BYTES_PER_S if ours else None
                 row["floor_us"] = nbytes / PEAK_BYTES_PER_S * 1e6
                 row["ratio_best"] = min(peers) / ours if ours and peers else None
-                if args.fp8:
-                    fp8_us = row["ours_fp8_us"]
-                    row["fp8_speedup"] = ours / fp8_us if ours and fp8_us else None
-                    row["fp8_vs_cudnn"] = row["cudnn_us"] / fp8_us if row["cudnn_us"] and fp8_us else None
-                    row["fp8_pct_peak"] = 100 * nbytes / 2 / (fp8_us * 1e-6) / PEAK_BYTES_PER_S if fp8_us else None
+                if args.int8:
+                    int8_us = row["ours_int8_us"]
+                    int8_bytes = nbytes * (shape[2] + 2) / (2 * shape[2])    # codes and a 2-byte scale per row
+                    row["int8_speedup"] = ours / int8_us if ours and int8_us else None
+                    row["int8_vs_cudnn"] = row["cudnn_us"] / int8_us if row["cudnn_us"] and int8_us else None
+                    row["int8_pct_peak"] = 100 * int8_bytes / (int8_us * 1e-6) / PEAK_BYTES_PER_S if int8_us else None
                 print(f"{label} B={batch} M={seq_len}: ours {fmt(ours)} us (S={row['num_splits']}), "
                       f"cuDNN {fmt(row['cudnn_us'])}, FA {fmt(row['flash_us'])}"
-                      + (f", ours fp8 {fmt(row['ours_fp8_us'])} us" if args.fp8 else ""), flush=True)
+                      + (f", ours int8 {fmt(row['ours_int8_us'])} us" if args.int8 else ""), flush=True)
                 if window:
                     window_bytes = kv_bytes(batch, shape[1], window, shape[2])
                     row["window"], row["window_kv_mb"] = window, window_bytes / 1e6
@@ -311,25 +329,25 @@ def main(argv=None):
                     w_us = row["window_us"]
                     row["window_speedup"] = ours / w_us if ours and w_us else None
                     row["window_pct_peak"] = 100 * window_bytes / (w_us * 1e-6) / PEAK_BYTES_PER_S if w_us else None
-                    if args.fp8:
-                        row["window_fp8_us"] = try_time(case.ours_fp8(window))
+                    if args.int8:
+                        row["window_int8_us"] = try_time(case.ours_int8(window))
                     print(f"    window {window}: ours {fmt(w_us)} us (S={row['window_splits']})"
-                          + (f", ours fp8 {fmt(row['window_fp8_us'])} us" if args.fp8 else ""), flush=True)
+                          + (f", ours int8 {fmt(row['window_int8_us'])} us" if args.int8 else ""), flush=True)
                 rows.append(row)
                 del case
                 torch.cuda.empty_cache()
                 save()
     table, targets = summarize(rows)
-    if args.fp8:
-        fp8_table, fp8_targets = summarize_fp8(rows)
-        targets.update(fp8_targets)
+    if args.int8:
+        int8_table, int8_targets = summarize_int8(rows)
+        targets.update(int8_targets)
     save(targets)
     plot(rows, out / "bench.png")
     print()
     print(table)
-    if args.fp8:
+    if args.int8:
         print()
-        print(fp8_table)
+        print(int8_table)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, work
     wholly before them are not read. The workspace must have been planned for that window
     (``Workspace(..., windows=...)``) unless it is at least the workspace's ``max_seq_len``.
 
-    float8_e4m3fn caches (``kv_quant``) need ``k_scale`` and ``v_scale``, float32 ``[Hkv]`` on the
-    caches' device (a row dequantises as ``code * scale``); other caches refuse them.
+    int8 caches (``kv_quant``) need ``k_scale`` and ``v_scale``, their row scales: float16
+    ``[num_blocks, Hkv, block_size]`` on the caches' device (a row dequantises as
+    ``code * scale``); other caches refuse them.
     """
     if q.is_cuda:
         from . import ops
@@ -51,7 +52,7 @@ def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, work
 
 def write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
     """Store one layer's new ``key/value [T, Hkv, D]`` at ``slot_mapping [T]``; slot -1 writes nothing.
-    float8_e4m3fn caches store the rows quantised at ``k_scale``/``v_scale`` (``kv_quant.quantize``)."""
+    int8 caches store the rows quantised (``kv_quant.quantize_rows``), their scales in ``k_scale``/``v_scale``."""
     if key.is_cuda:
         from . import ops
         return ops.write_kv_cuda(k_cache, v_cache, key, value, slot_mapping, k_scale, v_scale)
@@ -61,8 +62,8 @@ def write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=N
 def read_kv(k_cache, v_cache, slot_mapping, dtype, k_scale=None, v_scale=None):
     """The rows ``(key, value)``, each ``[K, Hkv, D]`` of ``dtype``, stored at ``slot_mapping [K]``
     (int32); slot -1 (and a slot past the pool, where ``write_kv`` writes nothing) reads as a row of
-    zeros. float8_e4m3fn caches are read as ``code * scale``
-    (``kv_quant.dequantize``), other caches into their own dtype."""
+    zeros. int8 caches are read as ``code * scale``
+    (``kv_quant.dequantize_rows``), other caches into their own dtype."""
     if k_cache.is_cuda:
         from . import ops
         return ops.read_kv_cuda(k_cache, v_cache, slot_mapping, dtype, k_scale, v_scale)

@@ -135,8 +135,8 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     """``qkv [T, (Hq + 2 Hkv) * D]``: RMS-normalises each query and key head in place when
     ``q_norm`` and ``k_norm`` (``[D]`` each) are given, rotates them in place (rotate-half
     convention, ``cos_sin [max_positions, D]`` holding the cosines then the sines of the D/2
-    frequencies), then stores each token's key and value at ``slot_mapping`` (-1: nowhere); fp8
-    caches store them quantised at ``k_scale``/``v_scale``, in the same launch on CUDA."""
+    frequencies), then stores each token's key and value at ``slot_mapping`` (-1: nowhere); int8
+    caches store them quantised, their row scales in ``k_scale``/``v_scale``, in the same launch on CUDA."""
     if (q_norm is None) != (k_norm is None):
         raise ValueError(f"q_norm and k_norm come together; got q_norm {q_norm is not None}, "
                          f"k_norm {k_norm is not None}")

@@ -12,12 +12,13 @@ import torch
 
 from . import build
 from .constants import HEAD_DIMS
-from .kv_quant import FP8, check_kv_scales
+from .kv_quant import INT8, check_kv_scales
 from .paging import SUPPORTED_BLOCK_SIZE_RULE, supported_block_size
 from .window import check_window
 from .workspace import Workspace
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+INT8_HEAD_DIMS = (32, 64, 128, 256)   # write_kv on int8 caches: a row's D / 8 threads share a warp
 
 _ready_devices: set[int] = set()
 _default_workspaces: dict[tuple, Workspace] = {}
@@ -115,8 +116,8 @@ def _validate_decode(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scal
     if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or _misaligned(q):
         raise ValueError("q needs a contiguous last dim and 16-byte aligned rows (call q.contiguous())")
     _check_cache(k_cache, v_cache, q.device)
-    if k_cache.dtype not in (q.dtype, FP8):
-        raise ValueError(f"the caches are {k_cache.dtype} but q is {q.dtype} (caches hold q's dtype or {FP8})")
+    if k_cache.dtype not in (q.dtype, INT8):
+        raise ValueError(f"the caches are {k_cache.dtype} but q is {q.dtype} (caches hold q's dtype or {INT8})")
     check_kv_scales(k_cache, k_scale, v_scale)
     _, num_kv_heads, block_size, cache_dim = k_cache.shape
     if cache_dim != head_dim:
@@ -182,10 +183,10 @@ def _kernel_window(window: int | None, reach: int) -> int:
 
 
 def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
-    """``kernels.write_kv`` for CUDA tensors: slot -1 (any negative slot) writes nothing; fp8
-    caches store ``kv_quant.quantize`` of the rows (bf16 or fp16) at the scales."""
+    """``kernels.write_kv`` for CUDA tensors: slot -1 (any negative slot) writes nothing; int8
+    caches store ``kv_quant.quantize_rows`` of the rows (bf16 or fp16) and their scales."""
     _check_cache(k_cache, v_cache, key.device)
-    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
+    int8 = check_kv_scales(k_cache, k_scale, v_scale)
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     if key.dim() != 3 or key.shape != value.shape or key.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"key and value must be [T, {num_kv_heads}, {head_dim}], "
@@ -196,10 +197,13 @@ def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_sc
     if slot_mapping.device != key.device or value.device != key.device:
         raise ValueError("key, value and slot_mapping must be on the caches' device")
     row_dtype = k_cache.dtype
-    if fp8:
+    if int8:
         if key.dtype not in SUPPORTED_DTYPES or value.dtype != key.dtype:
-            raise ValueError(f"key and value written to a {FP8} cache must be one of bfloat16/float16, "
+            raise ValueError(f"key and value written to an {INT8} cache must be one of bfloat16/float16, "
                              f"got {key.dtype} and {value.dtype}")
+        if head_dim not in INT8_HEAD_DIMS:
+            raise ValueError(f"an {INT8} cache's write takes head_dim {', '.join(map(str, INT8_HEAD_DIMS))}, "
+                             f"not {head_dim}")
         row_dtype = key.dtype
     row_bytes = head_dim * torch.empty((), dtype=row_dtype).element_size()
     if row_bytes % 16:
@@ -213,10 +217,10 @@ def write_kv_cuda(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_sc
 def read_kv_cuda(k_cache, v_cache, slot_mapping, dtype, k_scale=None, v_scale=None):
     """``kernels.read_kv`` for CUDA tensors."""
     _check_cache(k_cache, v_cache, k_cache.device)
-    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
+    int8 = check_kv_scales(k_cache, k_scale, v_scale)
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"read_kv reads into one of bfloat16/float16, not {dtype}")
-    if not fp8 and dtype != k_cache.dtype:
+    if not int8 and dtype != k_cache.dtype:
         raise ValueError(f"read_kv of a {k_cache.dtype} cache reads into {k_cache.dtype}, not {dtype}")
     if slot_mapping.dtype != torch.int32 or slot_mapping.dim() != 1:
         raise ValueError(f"slot_mapping must be int32 [K], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")

@@ -2,13 +2,13 @@
 
 The same algorithm as the CUDA kernel: the KV sequence is cut into ``num_splits`` chunks, each
 chunk yields a partial output normalised by its own softmax sum plus its log-sum-exp, and the
-chunks are merged exactly. Accumulation is in float32 (float64 stays float64). float8_e4m3fn
-caches are dequantised with their per-KV-head scales (``kv_quant``) as they are read.
+chunks are merged exactly. Accumulation is in float32 (float64 stays float64). int8 caches are
+dequantised with their row scales (``kv_quant``) as they are read.
 """
 
 import torch
 
-from .kv_quant import check_kv_scales, dequantize, quantize
+from .kv_quant import check_kv_scales, dequantize_rows, quantize_rows
 from .planner import max_splits_for
 from .window import attended_span, check_window, window_starts
 
@@ -105,34 +105,39 @@ def split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, *, scal
     window, as in the kernel, the splits divide each sequence's attended positions
     ``[max(0, seq_len - window), seq_len)``, and nothing before them is read."""
     window = check_window(window)
-    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
+    int8 = check_kv_scales(k_cache, k_scale, v_scale)
     head_dim = q.shape[-1]
     scale = head_dim ** -0.5 if scale is None else scale
     acc = _accum_dtype(q.dtype)
     seq_lens = seq_lens.to(q.device)
     if window is None:
         width = int(seq_lens.max())
-        k = gather_dense(k_cache, block_table, width).to(acc)
-        v = gather_dense(v_cache, block_table, width).to(acc)
         lengths = seq_lens
+
+        def gather(cache):
+            return gather_dense(cache, block_table, width)
     else:
         starts = window_starts(seq_lens, window)
         lengths = seq_lens.long() - starts
         width = int(lengths.max())
-        k = gather_window(k_cache, block_table, starts, width).to(acc)
-        v = gather_window(v_cache, block_table, starts, width).to(acc)
-    if fp8:
-        k, v = dequantize(k, k_scale, acc), dequantize(v, v_scale, acc)
+
+        def gather(cache):
+            return gather_window(cache, block_table, starts, width)
+    if int8:   # the row scales gathered as caches of D = 1
+        k = dequantize_rows(gather(k_cache), gather(k_scale.unsqueeze(-1)).squeeze(-1), acc)
+        v = dequantize_rows(gather(v_cache), gather(v_scale.unsqueeze(-1)).squeeze(-1), acc)
+    else:
+        k, v = gather(k_cache).to(acc), gather(v_cache).to(acc)
     o, lse = split_attention(q.to(acc) * scale, k, v, lengths, num_splits)
     return merge_splits(o, lse).to(q.dtype)
 
 
 def reference_read_kv(k_cache, v_cache, slot_mapping, dtype, k_scale=None, v_scale=None):
     """The rows stored at ``slot_mapping [K]`` as ``(key, value)`` ``[K, Hkv, D]`` of ``dtype``;
-    slots < 0 (and past the pool, where ``write_kv`` writes nothing) read zeros. fp8 caches read
-    as ``kv_quant.dequantize`` of the codes at the scales, other caches into their own dtype."""
-    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
-    if not fp8 and dtype != k_cache.dtype:
+    slots < 0 (and past the pool, where ``write_kv`` writes nothing) read zeros. int8 caches read
+    as ``kv_quant.dequantize_rows`` of the codes at their row scales, other caches into their own dtype."""
+    int8 = check_kv_scales(k_cache, k_scale, v_scale)
+    if not int8 and dtype != k_cache.dtype:
         raise ValueError(f"read_kv of a {k_cache.dtype} cache reads into {k_cache.dtype}, not {dtype}")
     block_size = k_cache.shape[2]
     slots = slot_mapping.long()
@@ -141,21 +146,25 @@ def reference_read_kv(k_cache, v_cache, slot_mapping, dtype, k_scale=None, v_sca
     rows = []
     for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
         r = cache[at // block_size, :, at % block_size]
-        r = (dequantize(r, scale) if fp8 else r).to(dtype)
+        r = dequantize_rows(r, scale[at // block_size, :, at % block_size], dtype) if int8 else r.to(dtype)
         rows.append(torch.where(stored.view(-1, 1, 1), r, torch.zeros((), dtype=dtype, device=r.device)))
     return rows[0], rows[1]
 
 
 def reference_write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
-    """Store ``key/value [T, Hkv, D]`` at ``slot_mapping [T]``; slots < 0 write nothing. fp8
-    caches store ``kv_quant.quantize`` of the rows at the scales."""
-    if check_kv_scales(k_cache, k_scale, v_scale):
-        key, value = quantize(key, k_scale), quantize(value, v_scale)
+    """Store ``key/value [T, Hkv, D]`` at ``slot_mapping [T]``; slots < 0 (and past the pool)
+    write nothing. int8 caches store ``kv_quant.quantize_rows`` of the rows, their scales in
+    ``k_scale``/``v_scale``."""
+    int8 = check_kv_scales(k_cache, k_scale, v_scale)
     block_size = k_cache.shape[2]
-    keep = slot_mapping >= 0
+    keep = (slot_mapping >= 0) & (slot_mapping < k_cache.shape[0] * block_size)
     if not bool(keep.all()):
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     slots = slot_mapping.long()
     blocks, rows = slots // block_size, slots % block_size
+    if int8:
+        (key, k_rows), (value, v_rows) = quantize_rows(key), quantize_rows(value)
+        k_scale[blocks, :, rows] = k_rows
+        v_scale[blocks, :, rows] = v_rows
     k_cache[blocks, :, rows] = key.to(k_cache.dtype)
     v_cache[blocks, :, rows] = value.to(v_cache.dtype)

@@ -12,6 +12,10 @@ not the longest sequence: the workspace holds one plan per batch for global atte
 batch for each window in ``windows`` (Gemma 3's local and global layers share one workspace, and
 every plan is fixed at construction, as graph replay needs). A window at least ``max_seq_len``
 long is global attention and uses the global plan.
+
+``split_scale`` multiplies every planned split count (at most ``max_splits``; the three-per-SM
+plan becomes a plain one): an A/B knob for measuring other plans (``benchmarks.kernel_bench``),
+1 in the product.
 """
 
 import torch
@@ -28,7 +32,7 @@ def device_sm_count(device: torch.device) -> int:
 
 class Workspace:
     def __init__(self, max_batch: int, num_q_heads: int, head_dim: int, max_seq_len: int, device,
-                 num_kv_heads: int, windows=()):
+                 num_kv_heads: int, windows=(), split_scale: int = 1):
         if max_batch < 1 or num_q_heads < 1 or num_kv_heads < 1 or head_dim < 1 or max_seq_len < 1:
             raise ValueError("max_batch, num_q_heads, num_kv_heads, head_dim and max_seq_len must be positive")
         if num_q_heads % num_kv_heads:
@@ -42,8 +46,13 @@ class Workspace:
         self.max_splits = max_splits_for(max_seq_len)
         self.num_sms = device_sm_count(self.device)
         self.windows = tuple(sorted({w for w in map(check_window, windows) if w is not None and w < max_seq_len}))
-        self._plans = {span: [Plan(1)] + [split_plan(b, num_q_heads, num_kv_heads, head_dim, self.num_sms, span)
-                                          for b in range(1, max_batch + 1)]
+        if split_scale < 1:
+            raise ValueError(f"split_scale must be positive, got {split_scale}")
+
+        def planned(batch, span):
+            plan = split_plan(batch, num_q_heads, num_kv_heads, head_dim, self.num_sms, span)
+            return plan if split_scale == 1 else Plan(min(plan.num_splits * split_scale, self.max_splits))
+        self._plans = {span: [Plan(1)] + [planned(b, span) for b in range(1, max_batch + 1)]
                        for span in (max_seq_len, *self.windows)}
         self.capacity_rows = max(b * plans[b].num_splits for plans in self._plans.values()
                                  for b in range(1, max_batch + 1))

@@ -12,7 +12,7 @@ the whole batch (prefill included), as vLLM's offline throughput benchmark does.
     python -m load_tests.engine_bench --device cuda --model random:smollm2-135m --batch 16 64 --hf \
         --shared-prefix 2048 --prefix-caching on off      # one engine with prefix caching, one without
     python -m load_tests.engine_bench --device cuda --model random:smollm2-135m --hf \
-        --kv-cache-dtype auto fp8 --decode-step 8:32768 256:4096 1:128   # the decode step alone
+        --kv-cache-dtype auto int8 --decode-step 8:32768 256:4096 1:128   # the decode step alone
 
 ``--closed-loop K`` keeps ``--batch`` streams busy, each sending K requests in turn, the next as
 soon as its last one finishes (a server's load without the HTTP in front), and adds each engine's
@@ -21,7 +21,7 @@ median time to first token (arrival in the engine to the first token):
     python -m load_tests.engine_bench --device cuda --model random:smollm2-135m --batch 16 64 --closed-loop 8 \
         --shared-prefix 2048 --prefix-caching on off --fill-pool
 
-``--kv-cache-dtype auto fp8`` runs one engine per KV cache type, interleaved (ours_fp8 columns).
+``--kv-cache-dtype auto int8`` runs one engine per KV cache type, interleaved (ours_int8 columns).
 ``--decode-step B:CTX ...`` times only the decode step instead (no prefill, no sampling): the
 batch's CUDA graph replayed over B sequences of CTX cached tokens each, median GPU time per
 replay, per engine, with each engine's ratio to the first's (the cache contents do not change
@@ -248,7 +248,7 @@ def main(argv=None):
     ap.add_argument("--prefill-graph-buckets", type=int, nargs="*", default=None,
                     help="token buckets of prefill graphs (none given: off; default: the engine's)")
     ap.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES, default=["auto"],
-                    help="KV cache element type; several: one engine each, interleaved (ours_fp8 columns)")
+                    help="KV cache element type; several: one engine each, interleaved (ours_int8 columns)")
     ap.add_argument("--decode-step", nargs="*", default=None, metavar="B:CTX",
                     help="time only the decode step at these batches and cached lengths (CUDA only)")
     ap.add_argument("--out", type=Path, default=None)

@@ -18,7 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 import kernels
-from kernels.kv_quant import dequantize
+from kernels.kv_quant import dequantize_rows
 
 NAME = "paged_split_kv"   # transformers treats any name containing "flash" as FlashAttention
 
@@ -69,11 +69,12 @@ class AttentionBatch:
     cu_kv_starts: torch.Tensor | None = None
     kv_starts: list[int] | None = None
     max_kv_len: int = 0
-    # float8_e4m3fn caches: each layer's (k_scale, v_scale), float32 [Hkv] on the caches' device
+    # int8 caches: each layer's (k_scale, v_scale), the row scales, float16 [num_blocks, Hkv,
+    # block_size] on the caches' device (kernels.kv_quant)
     kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(k_scale, v_scale)`` of layer ``layer``'s fp8 caches; ``(None, None)`` for other caches."""
+        """``(k_scale, v_scale)`` of layer ``layer``'s int8 caches; ``(None, None)`` for other caches."""
         return self.kv_scales[layer] if self.kv_scales is not None else (None, None)
 
 
@@ -82,10 +83,15 @@ class AttentionBatch:
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def cached_rows(rows: torch.Tensor, cache_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Rows read from a cache (the KV heads their dim 1) as ``dtype``: fp8 codes dequantised at
-    their scale (``cache_scale``, None for other caches)."""
-    return rows.to(dtype) if cache_scale is None else dequantize(rows, cache_scale).to(dtype)
+def cached_rows(cache: torch.Tensor, row_scales: torch.Tensor | None, table: torch.Tensor, total: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """A sequence's first ``total`` rows of ``cache`` ``[1, Hkv, total, D]`` as ``dtype``: int8 codes
+    dequantised at their row scales (``row_scales``, None for other caches)."""
+    rows = kernels.reference.gather_dense(cache, table, total)
+    if row_scales is None:
+        return rows.to(dtype)
+    scales = kernels.reference.gather_dense(row_scales.unsqueeze(-1), table, total).squeeze(-1)
+    return dequantize_rows(rows, scales, dtype)
 
 
 def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache, k_scale=None, v_scale=None, *,
@@ -93,7 +99,7 @@ def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache, k
     """Causal attention of packed prompt chunks: ``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` (their keys
     and values already in the cache); returns ``[T, Hq, D]``. With a sliding ``window`` the query
     at position i attends to positions ``i - window < p <= i`` (``kernels.window``). Keys and
-    values read back from fp8 caches are dequantised at ``k_scale``/``v_scale``."""
+    values read back from int8 caches are dequantised at their row scales ``k_scale``/``v_scale``."""
     window = kernels.check_window(window)
     if batch.key_slots is not None:
         k, v = kernels.read_kv(k_cache, v_cache, batch.key_slots, q.dtype, k_scale, v_scale)    # [K, Hkv, D]
@@ -169,8 +175,8 @@ def _prefill_chunks(out, q, k, v, scale, batch: AttentionBatch, k_cache, v_cache
             total = context + end - start
             table = batch.block_tables[i:i + 1]
             group = q.shape[1] // k_cache.shape[1]
-            ki = cached_rows(kernels.reference.gather_dense(k_cache, table, total), k_scale, q.dtype)
-            vi = cached_rows(kernels.reference.gather_dense(v_cache, table, total), v_scale, q.dtype)
+            ki = cached_rows(k_cache, k_scale, table, total, q.dtype)
+            vi = cached_rows(v_cache, v_scale, table, total, q.dtype)
             ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
             mask = causal_mask(end - start, total, window, q.device)
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_quant import dequantize, quantize
+from kernels.kv_quant import dequantize_rows, quantize_rows
 from kernels.window import check_window, window_starts
 
 
@@ -70,35 +70,35 @@ class DecodePlan:
 
 
 def write_new_kv(k_cache, v_cache, key, value, plan: DecodePlan, k_scale=None, v_scale=None) -> None:
-    """Store a decode step's ``key/value [B, Hkv, D]`` (every row a real token); fp8 caches
-    store them quantised at ``k_scale``/``v_scale``."""
+    """Store a decode step's ``key/value [B, Hkv, D]`` (every row a real token); int8 caches
+    store them quantised, their row scales in ``k_scale``/``v_scale``."""
+    pairs = [(k_cache, key), (v_cache, value)]
     if k_scale is not None:
-        key, value = quantize(key, k_scale), quantize(value, v_scale)
-    if plan.slot is not None:
-        block, row = plan.slot           # one row: a copy into a view, not an index_put
-        k_cache[block, :, row].copy_(key[0])
-        v_cache[block, :, row].copy_(value[0])
-        return
-    k_cache[plan.slot_blocks, :, plan.slot_rows] = key.to(k_cache.dtype)
-    v_cache[plan.slot_blocks, :, plan.slot_rows] = value.to(v_cache.dtype)
+        (key, k_rows), (value, v_rows) = quantize_rows(key), quantize_rows(value)
+        pairs = [(k_cache, key), (v_cache, value), (k_scale, k_rows), (v_scale, v_rows)]
+    for dst, src in pairs:
+        if plan.slot is not None:
+            block, row = plan.slot           # one row: a copy into a view, not an index_put
+            dst[block, :, row].copy_(src[0])
+        else:
+            dst[plan.slot_blocks, :, plan.slot_rows] = src.to(dst.dtype)
 
 
 def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
                     scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
     """``q [B, Hq, D]`` -> ``[B, Hq, D]``; caches ``[num_blocks, Hkv, block_size, D]``.
-    Computes in the cache's dtype (float32 or float64), in float32 for fp8 caches (dequantised
-    at ``k_scale``/``v_scale``)."""
+    Computes in the cache's dtype (float32 or float64), in float32 for int8 caches (dequantised
+    at their row scales ``k_scale``/``v_scale``)."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     split = (batch, -1, *k_cache.shape[1:])
-    if plan.first_block is not None:
-        k = k_cache[plan.first_block:plan.first_block + plan.block_ids.shape[0]]
-        v = v_cache[plan.first_block:plan.first_block + plan.block_ids.shape[0]]
-    else:
-        k = k_cache.index_select(0, plan.block_ids)                      # [B * n, Hkv, bs, D]
-        v = v_cache.index_select(0, plan.block_ids)
+    def blocks(t):
+        if plan.first_block is not None:
+            return t[plan.first_block:plan.first_block + plan.block_ids.shape[0]]
+        return t.index_select(0, plan.block_ids)                          # [B * n, Hkv, bs, D]
+    k, v = blocks(k_cache), blocks(v_cache)
     if k_scale is not None:
-        k, v = dequantize(k, k_scale), dequantize(v, v_scale)
+        k, v = dequantize_rows(k, blocks(k_scale)), dequantize_rows(v, blocks(v_scale))
     k, v = k.view(split), v.view(split)                                  # [B, n, Hkv, bs, D]
     if scale != 1.0:
         q = q * scale

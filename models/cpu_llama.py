@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference_write_kv
-from kernels.kv_quant import FP8
+from kernels.kv_quant import INT8
 
 from .attention import AttentionBatch, head_dim_of, prefill_attention
 from .cpu_attention import DecodePlan, split_kv_decode, write_new_kv
@@ -207,8 +207,8 @@ class CpuLlama:
         tokens = ids.shape[0]
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         kv_dtype = batch.kv_caches[0][0].dtype
-        if kv_dtype == FP8:
-            kv_dtype = torch.float32            # fp8 caches: the step computes in float32
+        if kv_dtype == INT8:
+            kv_dtype = torch.float32            # int8 caches: the step computes in float32
         rotary = self.rotary[positions.long()].unsqueeze(1)                     # [T, 1, D/2]
         plan = None
         if batch.is_decode:

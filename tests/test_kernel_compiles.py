@@ -18,13 +18,13 @@ SOURCES = sorted(CSRC.glob("*.cu"))
 
 # Kernels a source must instantiate (pieces of their mangled names, as ptxas -v lists its entry
 # functions): the split kernel for both query types, the four (head_dim, warp) shapes and both
-# cache types; the quantising writes for both source types.
+# cache types (the query's, int8); the quantising writes for both source types.
 _SPLIT_SHAPES = ("Li64ELi32E", "Li64ELi16E", "Li128ELi16E", "Li256ELi16E")
 REQUIRED_ENTRIES = {
     "flash_decode.cu": [f"split_kernelI{t}{shape}{kv}EEv" for t in ("13__nv_bfloat16", "6__half")
-                        for shape in _SPLIT_SHAPES for kv in ("S2_", "13__nv_fp8_e4m3")],
-    "write_kv.cu": ["write_kv_kernelE", "write_kv_fp8_kernelI13__nv_bfloat16E", "write_kv_fp8_kernelI6__halfE"],
-    "layer_ops.cu": [f"rope_write_kv_kernelI{t}{kv}EEv" for t in ("13__nv_bfloat16", "6__half") for kv in ("S2_", "h")],
+                        for shape in _SPLIT_SHAPES for kv in ("S2_", "a")],
+    "write_kv.cu": ["write_kv_kernelE", "write_kv_int8_kernelI13__nv_bfloat16E", "write_kv_int8_kernelI6__halfE"],
+    "layer_ops.cu": [f"rope_write_kv_kernelI{t}{kv}EEv" for t in ("13__nv_bfloat16", "6__half") for kv in ("S2_", "a")],
 }
 
 

@@ -1,11 +1,11 @@
 """kernels.read_kv on the CPU (the reference the GPU kernel is held to): rows read back at their
-slots are the rows written there, fp8 caches read as code * scale, slot -1 reads zeros."""
+slots are the rows written there, int8 caches read as code * row scale, slot -1 reads zeros."""
 
 import pytest
 import torch
 
 import kernels
-from kernels.kv_quant import FP8, dequantize
+from kernels.kv_quant import INT8, SCALE_DTYPE, dequantize_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -27,20 +27,19 @@ def test_reads_back_what_write_kv_stored_and_zeros_for_slot_minus_one_or_past_th
     assert not k[~kept].any() and not v[~kept].any()
 
 
-def test_fp8_rows_read_as_code_times_scale():
+def test_int8_rows_read_as_code_times_row_scale():
     g = torch.Generator().manual_seed(5)
-    codes = torch.randint(0, 256, (2, 4, 2, 16, 8), dtype=torch.uint8, generator=g)
-    codes[(codes & 0x7F) == 0x7F] = 0
-    k8, v8 = codes.view(FP8).unbind(0)
-    k_scale, v_scale = torch.tensor([0.5, 0.01]), torch.tensor([3.0, 0.2])
+    k8, v8 = torch.randint(-127, 128, (2, 4, 2, 16, 8), dtype=INT8, generator=g).unbind(0)
+    k_scale = (torch.rand(4, 2, 16, generator=g) * 0.5).to(SCALE_DTYPE)
+    v_scale = (torch.rand(4, 2, 16, generator=g) * 30).to(SCALE_DTYPE)
     slots = torch.tensor([0, 17, 63, -1, 5], dtype=torch.int32)
     k, v = kernels.read_kv(k8, v8, slots, torch.bfloat16, k_scale, v_scale)
     blocks, rows = slots[:3].long() // 16, slots[:3].long() % 16
-    assert torch.equal(k[:3], dequantize(k8[blocks, :, rows], k_scale).to(torch.bfloat16))
-    assert torch.equal(v[:3], dequantize(v8[blocks, :, rows], v_scale).to(torch.bfloat16))
+    assert torch.equal(k[:3], (k8[blocks, :, rows].float() * k_scale[blocks, :, rows].float().unsqueeze(-1)).bfloat16())
+    assert torch.equal(v[:3], dequantize_rows(v8[blocks, :, rows], v_scale[blocks, :, rows], torch.bfloat16))
     assert not k[3].any() and not v[3].any()
-    with pytest.raises(ValueError):
-        kernels.read_kv(k8, v8, slots, torch.bfloat16)                 # fp8 caches need their scales
+    with pytest.raises(ValueError, match="int8 caches need k_scale and v_scale"):
+        kernels.read_kv(k8, v8, slots, torch.bfloat16)
 
 
 def test_a_16_bit_cache_reads_into_its_own_dtype_only():

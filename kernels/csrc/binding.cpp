@@ -32,22 +32,24 @@ void check_cache_pair(const at::Tensor& k_cache, const at::Tensor& v_cache) {
               "k_cache and v_cache must be contiguous [num_blocks, Hkv, block_size, D] of one shape and dtype");
 }
 
-// An fp8 cache's scales: k_scale and v_scale, both contiguous float32 [num_kv_heads] on the
-// caches' device; the caches of any other type take neither. Returns the caches' KV type.
+// An int8 cache's row scales: k_scale and v_scale, both contiguous, 16-byte aligned float16
+// [num_blocks, Hkv, block_size] on the caches' device; other caches take neither. Returns the KV type.
 KvDType check_kv_scales(const at::Tensor& k_cache, const std::optional<at::Tensor>& k_scale,
                         const std::optional<at::Tensor>& v_scale) {
-  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(fp8 == k_scale.has_value() && fp8 == v_scale.has_value(),
-              "k_scale and v_scale are required for float8_e4m3fn caches and refused for others; caches are ",
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == k_scale.has_value() && int8 == v_scale.has_value(),
+              "k_scale and v_scale are required for int8 caches and refused for others; caches are ",
               k_cache.scalar_type(), ", k_scale ", k_scale.has_value() ? "given" : "missing", ", v_scale ",
               v_scale.has_value() ? "given" : "missing");
-  if (!fp8) return KvDType::kSameAsQuery;
+  if (!int8) return KvDType::kSameAsQuery;
   for (const at::Tensor* t : {&*k_scale, &*v_scale}) {
     check_cuda(*t, "k_scale/v_scale", k_cache.device());
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == k_cache.size(1) && t->is_contiguous(),
-                "k_scale and v_scale must be contiguous float32 [num_kv_heads=", k_cache.size(1), "]");
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->sizes() == k_cache.sizes().slice(0, 3) && t->is_contiguous() && aligned16(*t),
+                "k_scale and v_scale must be contiguous, 16-byte aligned float16 [num_blocks=", k_cache.size(0),
+                ", Hkv=", k_cache.size(1), ", block_size=", k_cache.size(2), "], got ", t->scalar_type(), " ",
+                t->sizes());
   }
-  return KvDType::kFp8E4m3;
+  return KvDType::kInt8;
 }
 
 at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -66,8 +68,8 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                   v_cache.is_contiguous(),
               "k_cache and v_cache must be contiguous [num_blocks, Hkv, block_size, D] of one shape");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kFloat8_e4m3fn),
-              "caches must have q's dtype or be float8_e4m3fn");
+                  (k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kChar),
+              "caches must have q's dtype or be int8");
   const KvDType kv_dtype = check_kv_scales(k_cache, k_scale, v_scale);
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(1), bs = k_cache.size(2);
   TORCH_CHECK(supported_head_dim(d), "head_dim must be ", kHeadDims[0], ", ", kHeadDims[1], " or ", kHeadDims[2],
@@ -127,9 +129,9 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   p.read_ahead = read_ahead;
   p.window = static_cast<int>(window);
   p.kv_dtype = kv_dtype;
-  if (kv_dtype == KvDType::kFp8E4m3) {
-    p.k_scale = k_scale->data_ptr<float>();
-    p.v_scale = v_scale->data_ptr<float>();
+  if (kv_dtype == KvDType::kInt8) {
+    p.k_scale = k_scale->data_ptr();
+    p.v_scale = v_scale->data_ptr();
   }
   const cudaError_t err = launch_flash_decode(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_decode launch failed: ", cudaGetErrorString(err));
@@ -148,16 +150,17 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key, c
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == hkv && key.size(2) == d,
               "key and value must be [T, Hkv, D] matching the cache");
   const KvDType kv_dtype = check_kv_scales(k_cache, k_scale, v_scale);
-  const bool fp8 = kv_dtype == KvDType::kFp8E4m3;
+  const bool int8 = kv_dtype == KvDType::kInt8;
   TORCH_CHECK(value.scalar_type() == key.scalar_type() &&
-                  (fp8 ? key.scalar_type() == at::kBFloat16 || key.scalar_type() == at::kHalf
-                       : key.scalar_type() == k_cache.scalar_type()),
-              "key and value must have the cache's dtype (bf16 or fp16 for float8_e4m3fn caches)");
+                  (int8 ? key.scalar_type() == at::kBFloat16 || key.scalar_type() == at::kHalf
+                        : key.scalar_type() == k_cache.scalar_type()),
+              "key and value must have the cache's dtype (bf16 or fp16 for int8 caches)");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) && slot_mapping.is_contiguous() &&
                   (slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong),
               "slot_mapping must be int32 or int64 [T]");
   const int64_t elem = key.element_size(), row_bytes = d * k_cache.element_size();
   TORCH_CHECK(d * elem % 16 == 0 && row_bytes % 8 == 0, "head_dim * element size must be a multiple of 16 bytes");
+  TORCH_CHECK(!int8 || 32 % (d / 8) == 0, "int8 caches take head_dim 8, 16, 32, 64, 128 or 256, got ", d);
   for (const at::Tensor* t : {&key, &value})
     TORCH_CHECK(t->stride(2) == 1 && (t->stride(0) * elem) % 16 == 0 && (t->stride(1) * elem) % 16 == 0 &&
                     aligned16(*t) && aligned16(k_cache) && aligned16(v_cache),
@@ -182,9 +185,9 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key, c
   p.row_bytes = static_cast<int>(row_bytes);
   p.kv_dtype = kv_dtype;
   p.src_dtype = key.scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kHalf;
-  if (fp8) {
-    p.k_scale = k_scale->data_ptr<float>();
-    p.v_scale = v_scale->data_ptr<float>();
+  if (int8) {
+    p.k_scale = k_scale->data_ptr();
+    p.v_scale = v_scale->data_ptr();
   }
   const cudaError_t err = launch_write_kv(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "write_kv launch failed: ", cudaGetErrorString(err));
@@ -200,9 +203,9 @@ std::tuple<at::Tensor, at::Tensor> read_kv(const at::Tensor& k_cache, const at::
     check_cuda(*t, name, device);
   check_cache_pair(k_cache, v_cache);
   const KvDType kv_dtype = check_kv_scales(k_cache, k_scale, v_scale);
-  const bool fp8 = kv_dtype == KvDType::kFp8E4m3;
+  const bool int8 = kv_dtype == KvDType::kInt8;
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "read_kv reads into bfloat16 or float16, not ", dtype);
-  TORCH_CHECK(fp8 || dtype == k_cache.scalar_type(), "read_kv of a ", k_cache.scalar_type(),
+  TORCH_CHECK(int8 || dtype == k_cache.scalar_type(), "read_kv of a ", k_cache.scalar_type(),
               " cache reads into its own dtype, not ", dtype);
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kInt,
               "slot_mapping must be contiguous int32 [K]");
@@ -226,9 +229,9 @@ std::tuple<at::Tensor, at::Tensor> read_kv(const at::Tensor& k_cache, const at::
   p.head_dim = static_cast<int>(d);
   p.kv_dtype = kv_dtype;
   p.dst_dtype = dtype == at::kBFloat16 ? DType::kBFloat16 : DType::kHalf;
-  if (fp8) {
-    p.k_scale = k_scale->data_ptr<float>();
-    p.v_scale = v_scale->data_ptr<float>();
+  if (int8) {
+    p.k_scale = k_scale->data_ptr();
+    p.v_scale = v_scale->data_ptr();
   }
   const cudaError_t err = launch_read_kv(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "read_kv launch failed: ", cudaGetErrorString(err));
@@ -403,8 +406,8 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
     check_cuda(*t, name, device);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (k_cache.scalar_type() == qkv.scalar_type() || k_cache.scalar_type() == at::kFloat8_e4m3fn),
-              "k_cache and v_cache must be contiguous [num_blocks, Hkv, block_size, D] of qkv's dtype or float8_e4m3fn");
+                  (k_cache.scalar_type() == qkv.scalar_type() || k_cache.scalar_type() == at::kChar),
+              "k_cache and v_cache must be contiguous [num_blocks, Hkv, block_size, D] of qkv's dtype or int8");
   const KvDType kv_dtype = check_kv_scales(k_cache, k_scale, v_scale);
   const int64_t hkv = k_cache.size(1), bs = k_cache.size(2), d = k_cache.size(3), tokens = qkv.size(0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_q_heads + 2 * hkv) * d && qkv.stride(1) == 1,
@@ -448,9 +451,9 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   p.block_size = static_cast<int>(bs);
   p.dtype = dtype_of(qkv);
   p.kv_dtype = kv_dtype;
-  if (kv_dtype == KvDType::kFp8E4m3) {
-    p.k_scale = k_scale->data_ptr<float>();
-    p.v_scale = v_scale->data_ptr<float>();
+  if (kv_dtype == KvDType::kInt8) {
+    p.k_scale = k_scale->data_ptr();
+    p.v_scale = v_scale->data_ptr();
   }
   c10::cuda::CUDAGuard guard(device);
   const cudaError_t err = launch_rope_write_kv(p, c10::cuda::getCurrentCUDAStream());

@@ -10,7 +10,7 @@
 #include <type_traits>
 
 #include "flash_decode.h"
-#include "fp8.cuh"
+#include "int8.cuh"
 
 namespace flashdecode {
 namespace {

@@ -117,7 +117,7 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   const int whole = min(p.block_size, S::kTile);
   p.copy_rows = blocks > sms && whole % 16 == 0 ? 16 : whole;
   p.ring_stages = (p.three_per_sm ? kMinStages : kStages) * stages_per_tile_bytes<KV>();
-  const int past = past_ring<KV>(p);
+  const int past = past_ring<KV, D>(p);
   const int rows = group < kRows ? group : kRows;
   const int recv_bytes = kRecvLseBytes + p.num_splits * rows * D * 4;
   p.cluster = wants_cluster && p.num_splits > 1 && p.num_splits <= kMaxClusterSplits &&
@@ -130,7 +130,7 @@ cudaError_t launch_typed(const DecodeParams& params, cudaStream_t stream) {
   return launch_pdl(merge_kernel<T, D>, dim3(p.num_q_heads, p.batch), dim3(kMergeThreads), 0, stream, p);
 }
 
-// KV: T, or __nv_fp8_e4m3 for fp8 caches.
+// KV: T, or int8_t for int8 caches.
 template <typename T, typename KV>
 cudaError_t launch_head_dim(const DecodeParams& p, bool wide, cudaStream_t stream) {
   if (p.head_dim == 64) return wide ? launch_typed<T, 64, 32, KV>(p, stream) : launch_typed<T, 64, 16, KV>(p, stream);
@@ -148,12 +148,12 @@ cudaError_t launch_flash_decode(const DecodeParams& p, cudaStream_t stream) {
   // more heads keep eight warps, which hold the padding rows' softmax state.
   const bool wide = p.head_dim == kWideWarpHeadDim && p.num_q_heads / p.num_kv_heads <= kWideWarpMaxGroup;
   if (p.three_per_sm && !(wide && p.num_splits == 2)) return cudaErrorInvalidValue;
-  const bool fp8 = p.kv_dtype == KvDType::kFp8E4m3;
-  if (fp8 != (p.k_scale != nullptr) || fp8 != (p.v_scale != nullptr)) return cudaErrorInvalidValue;
+  const bool int8 = p.kv_dtype == KvDType::kInt8;
+  if (int8 != (p.k_scale != nullptr) || int8 != (p.v_scale != nullptr)) return cudaErrorInvalidValue;
   if (p.dtype == DType::kBFloat16)
-    return fp8 ? launch_head_dim<__nv_bfloat16, __nv_fp8_e4m3>(p, wide, stream)
-               : launch_head_dim<__nv_bfloat16, __nv_bfloat16>(p, wide, stream);
-  return fp8 ? launch_head_dim<__half, __nv_fp8_e4m3>(p, wide, stream) : launch_head_dim<__half, __half>(p, wide, stream);
+    return int8 ? launch_head_dim<__nv_bfloat16, int8_t>(p, wide, stream)
+                : launch_head_dim<__nv_bfloat16, __nv_bfloat16>(p, wide, stream);
+  return int8 ? launch_head_dim<__half, int8_t>(p, wide, stream) : launch_head_dim<__half, __half>(p, wide, stream);
 }
 
 }  // namespace flashdecode

@@ -52,11 +52,12 @@ constexpr bool supported_block_size(int64_t block_size) {
 }
 
 enum class DType : int { kBFloat16 = 0, kHalf = 1 };
-// The KV cache's element type: the query's own (bf16 or fp16), or float8_e4m3fn codes that
-// dequantise as code * scale, one float32 scale per KV head for K and one for V.
-enum class KvDType : int { kSameAsQuery = 0, kFp8E4m3 = 1 };
-// The largest magnitude an e4m3 code holds: quantising writes saturate to it.
-constexpr float kFp8E4m3Max = 448.f;
+// The KV cache's element type: the query's own (bf16 or fp16), or int8 codes that dequantise as
+// code * scale, one float16 scale per token and KV head for K and one for V (int8.cuh).
+enum class KvDType : int { kSameAsQuery = 0, kInt8 = 1 };
+// The largest int8 code, and the largest row scale (rows of larger magnitudes saturate).
+constexpr float kInt8Max = 127.f;
+constexpr float kInt8ScaleMax = 512.f;
 
 struct DecodeParams {
   const void* q;                  // [B, Hq, D]; last dim contiguous, strides in elements
@@ -91,9 +92,9 @@ struct DecodeParams {
 
   int window;                     // sliding window: positions >= seq_len - window only (0: every position)
 
-  KvDType kv_dtype;               // kFp8E4m3: the caches hold e4m3 codes, dequantised with the scales
-  const float* k_scale;           // [Hkv] float32 on the device (fp8 caches only, else null)
-  const float* v_scale;
+  KvDType kv_dtype;               // kInt8: the caches hold int8 codes, dequantised with the row scales
+  const void* k_scale;            // [num_blocks, Hkv, block_size] float16, contiguous and 16-byte
+  const void* v_scale;            // aligned (int8 caches only, else null)
 };
 
 struct WriteKvParams {
@@ -106,15 +107,15 @@ struct WriteKvParams {
   bool slots_are_int64;
   int64_t num_tokens, num_slots;  // num_slots = num_blocks * block_size
   int num_kv_heads, block_size;
-  int row_bytes;                  // D * the cache's element size, a multiple of 16 (8 for fp8 caches)
+  int row_bytes;                  // D * the cache's element size, a multiple of 16 (8 for int8 caches)
 
-  KvDType kv_dtype;               // kFp8E4m3: key/value (of src_dtype) are quantised as x / scale,
-  DType src_dtype;                // saturated to +-kFp8E4m3Max
-  const float* k_scale;           // [Hkv] float32 on the device (fp8 caches only, else null)
-  const float* v_scale;
+  KvDType kv_dtype;               // kInt8: key/value (of src_dtype) are quantised per row, the row
+  DType src_dtype;                // scales written beside the codes
+  void* k_scale;                  // [num_blocks, Hkv, block_size] float16 (int8 caches only, else null)
+  void* v_scale;
 };
 
-// The inverse of WriteKvParams: rows [K, Hkv, D] read from their slots (fp8 codes dequantised).
+// The inverse of WriteKvParams: rows [K, Hkv, D] read from their slots (int8 codes dequantised).
 struct ReadKvParams {
   const void* k_cache;            // [num_blocks, Hkv, block_size, D] contiguous
   const void* v_cache;
@@ -124,10 +125,10 @@ struct ReadKvParams {
   int64_t num_rows, num_slots;    // num_slots = num_blocks * block_size
   int num_kv_heads, block_size, head_dim;
 
-  KvDType kv_dtype;               // kFp8E4m3: rows are code * scale, rounded to dst_dtype
+  KvDType kv_dtype;               // kInt8: rows are code * row scale, rounded to dst_dtype
   DType dst_dtype;
-  const float* k_scale;           // [Hkv] float32 on the device (fp8 caches only, else null)
-  const float* v_scale;
+  const void* k_scale;            // [num_blocks, Hkv, block_size] float16 (int8 caches only, else null)
+  const void* v_scale;
 };
 
 cudaError_t launch_flash_decode(const DecodeParams& params, cudaStream_t stream);

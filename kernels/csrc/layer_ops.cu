@@ -8,7 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "fp8.cuh"
+#include "int8.cuh"
 #include "launch.h"
 #include "layer_ops.h"
 
@@ -129,13 +129,31 @@ __global__ void act_and_mul_kernel(SiluMulParams p) {
   }
 }
 
-// A cache element: the value itself, or for fp8 caches its e4m3 code at ``scale``.
-template <typename T, typename KV>
-__device__ __forceinline__ KV to_cache(T v, const float* scales, int kv_head) {
-  if constexpr (std::is_same_v<T, KV>)
-    return v;
-  else
-    return quantize_fp8(to_float(v), __ldg(scales + kv_head));
+constexpr int kRopeWarps = 8;                          // heads a block of rope_write_kv serves
+constexpr int kRopePerLane = kMaxRopeHeadDim / 32;     // elements of a head per lane
+constexpr int kRopeMaxPairs = kRopePerLane / 2;
+
+// A head's cache row, held by a warp (every lane calls it): this lane's x[i] goes to column
+// col(i) (none where col(i) < 0), as it is, or for int8 caches (KV = int8_t) as codes at the
+// row's scale, which the warp reduces and lane 0 stores at ``row`` of ``scales`` (int8.cuh).
+template <typename T, typename KV, typename Col>
+__device__ __forceinline__ void store_row(const T (&x)[kRopePerLane], Col col, KV* dst, void* scales, int64_t row) {
+  if constexpr (std::is_same_v<T, KV>) {
+#pragma unroll
+    for (int i = 0; i < kRopePerLane; ++i)
+      if (col(i) >= 0) dst[col(i)] = x[i];
+  } else {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < kRopePerLane; ++i)
+      if (col(i) >= 0) amax = fmaxf(amax, fabsf(to_float(x[i])));
+    for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const __half scale = int8_row_scale(amax);
+#pragma unroll
+    for (int i = 0; i < kRopePerLane; ++i)
+      if (col(i) >= 0) dst[col(i)] = quantize_int8(to_float(x[i]), __half2float(scale));
+    if (threadIdx.x % 32 == 0) static_cast<__half*>(scales)[row] = scale;
+  }
 }
 
 // One warp per head of one token (grid: tokens x groups of kRopeWarps heads), so that all loads
@@ -143,12 +161,8 @@ __device__ __forceinline__ KV to_cache(T v, const float* scales, int kv_head) {
 // an L2 round trip per pass, several us a layer at batch 1). A query or key head is
 // RMS-normalised in place when the params carry the norms' weights, rotated in place
 // (rotate-half: lane l holds the pairs (j, j + D/2) for j = l, l + 32, ...), and a key head is
-// stored at the token's cache slot; a value head is only stored. KV: T, or uint8_t for fp8
-// caches, which store the rounded values' codes (as write_kv would store them).
-constexpr int kRopeWarps = 8;
-constexpr int kRopePerLane = kMaxRopeHeadDim / 32;     // elements of a head per lane
-constexpr int kRopeMaxPairs = kRopePerLane / 2;
-
+// stored at the token's cache slot; a value head is only stored. KV: T, or int8_t for int8
+// caches, which store the rounded values' codes and row scales (as write_kv would store them).
 template <typename T, typename KV>
 __global__ void rope_write_kv_kernel(RopeKvParams p) {
   pdl_trigger_then_wait();
@@ -161,9 +175,8 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
   T* h = static_cast<T*>(p.qkv) + t * p.qkv_stride + int64_t(head) * d;
   const int64_t slot = p.slots_are_int64 ? static_cast<const int64_t*>(p.slot_mapping)[t]
                                          : static_cast<const int32_t*>(p.slot_mapping)[t];
-  auto cache_row = [&](void* cache, int kv_head) {
-    return static_cast<KV*>(cache) + ((slot / p.block_size * hkv + kv_head) * p.block_size + slot % p.block_size) * d;
-  };
+  // the index of the cache row (token, KV head) of this slot, rows of D elements each
+  auto cache_row = [&](int kv_head) { return (slot / p.block_size * hkv + kv_head) * p.block_size + slot % p.block_size; };
 
   if (head >= hq + hkv) {  // a value head
     if (slot < 0) return;
@@ -172,10 +185,9 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
 #pragma unroll
     for (int i = 0; i < kRopePerLane; ++i)
       if (lane + 32 * i < d) v[i] = h[lane + 32 * i];
-    KV* dst = cache_row(p.v_cache, kv_head);
-#pragma unroll
-    for (int i = 0; i < kRopePerLane; ++i)
-      if (lane + 32 * i < d) dst[lane + 32 * i] = to_cache<T, KV>(v[i], p.v_scale, kv_head);
+    const int64_t row = cache_row(kv_head);
+    store_row<T, KV>(v, [&](int i) { return lane + 32 * i < d ? lane + 32 * i : -1; },
+                     static_cast<KV*>(p.v_cache) + row * d, p.v_scale, row);
     return;
   }
 
@@ -208,20 +220,21 @@ __global__ void rope_write_kv_kernel(RopeKvParams p) {
       x2[i] = to_float(scaled_norm<T>(x2[i], inv_rms, w, p.norm_fp32, j + half));
     }
   }
-  const bool store_key = head >= hq && slot >= 0;
-  KV* dst = store_key ? cache_row(p.k_cache, head - hq) : nullptr;
+  // y[i] and y[kRopeMaxPairs + i]: the rotated pair (j, j + D/2), j = lane + 32 i
+  T y[kRopePerLane];
 #pragma unroll
   for (int i = 0; i < kRopeMaxPairs; ++i) {
     const int j = lane + 32 * i;
     if (j >= half) continue;
-    const T y1 = from_float<T>(x1[i] * c[i] - x2[i] * s[i]);
-    const T y2 = from_float<T>(x2[i] * c[i] + x1[i] * s[i]);
-    h[j] = y1;
-    h[j + half] = y2;
-    if (store_key) {
-      dst[j] = to_cache<T, KV>(y1, p.k_scale, head - hq);
-      dst[j + half] = to_cache<T, KV>(y2, p.k_scale, head - hq);
-    }
+    y[i] = from_float<T>(x1[i] * c[i] - x2[i] * s[i]);
+    y[kRopeMaxPairs + i] = from_float<T>(x2[i] * c[i] + x1[i] * s[i]);
+    h[j] = y[i];
+    h[j + half] = y[kRopeMaxPairs + i];
+  }
+  if (head >= hq && slot >= 0) {
+    const int64_t row = cache_row(head - hq);
+    auto col = [&](int i) { const int j = lane + 32 * (i % kRopeMaxPairs); return j < half ? j + (i / kRopeMaxPairs) * half : -1; };
+    store_row<T, KV>(y, col, static_cast<KV*>(p.k_cache) + row * d, p.k_scale, row);
   }
 }
 
@@ -473,10 +486,10 @@ cudaError_t launch_rope_write_kv(const RopeKvParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>((heads + kRopeWarps - 1) / kRopeWarps));
   const dim3 block(kRopeWarps * 32);
   const bool bf16 = p.dtype == DType::kBFloat16;
-  if (p.kv_dtype == KvDType::kFp8E4m3) {
+  if (p.kv_dtype == KvDType::kInt8) {
     if (p.k_scale == nullptr || p.v_scale == nullptr) return cudaErrorInvalidValue;
-    return bf16 ? launch_pdl(rope_write_kv_kernel<__nv_bfloat16, uint8_t>, grid, block, 0, stream, p)
-                : launch_pdl(rope_write_kv_kernel<__half, uint8_t>, grid, block, 0, stream, p);
+    return bf16 ? launch_pdl(rope_write_kv_kernel<__nv_bfloat16, int8_t>, grid, block, 0, stream, p)
+                : launch_pdl(rope_write_kv_kernel<__half, int8_t>, grid, block, 0, stream, p);
   }
   return bf16 ? launch_pdl(rope_write_kv_kernel<__nv_bfloat16, __nv_bfloat16>, grid, block, 0, stream, p)
               : launch_pdl(rope_write_kv_kernel<__half, __half>, grid, block, 0, stream, p);

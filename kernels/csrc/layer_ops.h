@@ -56,9 +56,9 @@ struct RopeKvParams {
   int64_t num_tokens;
   int num_q_heads, num_kv_heads, head_dim, block_size;
   DType dtype;
-  KvDType kv_dtype;          // kFp8E4m3: the rotated key and the value are stored quantised (x / scale,
-  const float* k_scale;      // saturated), one [Hkv] float32 scale each on the device; else null
-  const float* v_scale;
+  KvDType kv_dtype;          // kInt8: the rotated key and the value are stored quantised per row, their
+  void* k_scale;             // scales in [num_blocks, Hkv, block_size] float16 tensors; else null
+  void* v_scale;
 };
 
 struct GemvParams {

@@ -9,11 +9,13 @@
 // head dimension is the output column, so V's 8x8 pieces are transposed with movmatrix and the
 // output columns land in a known permutation (each thread ends up owning 8 contiguous columns).
 //
-// FP8 caches (KV = __nv_fp8_e4m3): a stage holds the same tokens in half the bytes and the ring
-// twice the stages, so the same bytes are in flight. A thread's 16-byte load then holds 16 codes,
-// the columns of two 8-column groups (fragment_col); they become fp16 in registers (fp8.cuh) and
-// the MMAs run in fp16 whatever q's type, the K and V scales folded into the score scale and the
-// epilogue's normalisation. Accumulation is in FP32 as for bf16 caches.
+// INT8 caches (KV = int8_t): a stage holds the same tokens' codes in half the bytes, then their K
+// and V row scales (2 bytes a token each), and the ring twice the stages, so about the same bytes
+// are in flight. A thread's 16-byte load then holds 16 codes, the columns of two 8-column groups
+// (fragment_col); they become fp16 in registers exactly (int8.cuh) and the MMAs run in fp16
+// whatever q's type. The K scales multiply each token's scores (in fp32); a V row's codes are
+// multiplied by its scale in fp16 before P V, each product rounded once, as plain fp16 attention
+// over the dequantised cache would round it. Accumulation is in FP32 as for bf16 caches.
 #pragma once
 
 #include "common.cuh"
@@ -55,25 +57,42 @@ struct Shape {
   static constexpr bool kLateV = D > 128;
 };
 
-// FP8 caches: stages of half the bytes, twice as many (the same bytes in flight).
 template <typename KV>
-__host__ __device__ constexpr int stage_bytes() { return kStageBytes * (int)sizeof(KV) / 2; }
-template <typename KV>
-__host__ __device__ constexpr int stages_per_tile_bytes() { return 2 / (int)sizeof(KV); }
+__host__ __device__ constexpr bool is_int8() { return std::is_same_v<KV, int8_t>; }
 
+// INT8 caches: stages of half the code bytes plus the tile's K and V scales (a multiple of 128
+// bytes at every head_dim), twice as many.
+template <typename KV, int D>
+__host__ __device__ constexpr int stage_bytes() {
+  return is_int8<KV>() ? kStageBytes / 2 + 2 * tile_tokens(D) * 2 : kStageBytes;
+}
 template <typename KV>
-constexpr bool is_fp8() { return sizeof(KV) == 1; }
+__host__ __device__ constexpr int stages_per_tile_bytes() { return is_int8<KV>() ? 2 : 1; }
+static_assert(stage_bytes<int8_t, 256>() % 128 == 0 && stage_bytes<int8_t, 128>() % 128 == 0 &&
+                  stage_bytes<int8_t, 64>() % 128 == 0,
+              "int8 stages stay 128-byte aligned");
 
-// The MMAs' element type: q's, or fp16 for fp8 caches (whose codes convert to fp16 exactly).
+// Stage ``stage`` of the ring: the tile's K rows, then its V rows, then (int8 caches) the K
+// scales and the V scales, kTile each.
+template <typename KV, int D>
+__device__ __forceinline__ KV* stage_rows(uint8_t* ring, int stage) {
+  return reinterpret_cast<KV*>(ring + (int64_t)stage * stage_bytes<KV, D>());
+}
+template <typename KV, int D>
+__device__ __forceinline__ __half* stage_scales(uint8_t* ring, int stage) {
+  return reinterpret_cast<__half*>(ring + (int64_t)stage * stage_bytes<KV, D>() + 2 * tile_tokens(D) * D);
+}
+
+// The MMAs' element type: q's, or fp16 for int8 caches (whose codes convert to fp16 exactly).
 template <typename T, typename KV>
-using MmaType = std::conditional_t<is_fp8<KV>(), __half, T>;
+using MmaType = std::conditional_t<is_int8<KV>(), __half, T>;
 
 // The first of the 8 head-dim columns that this thread's fragments of group j (32 columns per
 // group) cover, for q, K and V alike: one 16-byte load holds one group of 2-byte elements, or
-// two groups of fp8 codes.
+// two groups of int8 codes.
 template <typename KV>
 __device__ __forceinline__ int fragment_col(int j, int qd) {
-  if constexpr (is_fp8<KV>())
+  if constexpr (is_int8<KV>())
     return 64 * (j / 2) + 16 * qd + 8 * (j % 2);
   else
     return 32 * j + 8 * qd;
@@ -82,12 +101,12 @@ __device__ __forceinline__ int fragment_col(int j, int qd) {
 // This thread's fragments of one cache row (8 MMA elements per group), from shared memory.
 template <typename KV, int D>
 __device__ __forceinline__ void load_row(const KV* row, int qd, uint4 (&f)[D / 32]) {
-  if constexpr (is_fp8<KV>()) {
+  if constexpr (is_int8<KV>()) {
 #pragma unroll
     for (int j = 0; j < D / 32; j += 2) {
       const uint4 codes = *reinterpret_cast<const uint4*>(row + fragment_col<KV>(j, qd));
-      const uint2 a = fp8x4_to_half2x2(codes.x), b = fp8x4_to_half2x2(codes.y);
-      const uint2 c = fp8x4_to_half2x2(codes.z), d = fp8x4_to_half2x2(codes.w);
+      const uint2 a = int8x4_to_half2x2(codes.x), b = int8x4_to_half2x2(codes.y);
+      const uint2 c = int8x4_to_half2x2(codes.z), d = int8x4_to_half2x2(codes.w);
       f[j] = make_uint4(a.x, a.y, b.x, b.y);
       f[j + 1] = make_uint4(c.x, c.y, d.x, d.y);
     }
@@ -97,20 +116,36 @@ __device__ __forceinline__ void load_row(const KV* row, int qd, uint4 (&f)[D / 3
   }
 }
 
-// This thread's fragment of group j of one cache row alone (the late V reads at D=256): for fp8
+// int8 caches: a V row's fragments times the row's scale (in fp16, each product rounded once).
+template <int N>
+__device__ __forceinline__ void scale_fragments(uint4 (&f)[N], __half scale) {
+  const __half2 s = __half2half2(scale);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    uint32_t w[4] = {f[j].x, f[j].y, f[j].z, f[j].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&w[i]), s);
+      w[i] = *reinterpret_cast<const uint32_t*>(&x);
+    }
+    f[j] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// This thread's fragment of group j of one cache row alone (the late V reads at D=256): for int8
 // caches the group's 8 codes are half of load_row's 16-byte load.
 template <typename KV>
 __device__ __forceinline__ uint4 load_group(const KV* row, int j, int qd) {
-  if constexpr (is_fp8<KV>()) {
+  if constexpr (is_int8<KV>()) {
     const uint2 codes = *reinterpret_cast<const uint2*>(row + fragment_col<KV>(j, qd));
-    const uint2 a = fp8x4_to_half2x2(codes.x), b = fp8x4_to_half2x2(codes.y);
+    const uint2 a = int8x4_to_half2x2(codes.x), b = int8x4_to_half2x2(codes.y);
     return make_uint4(a.x, a.y, b.x, b.y);
   } else {
     return *reinterpret_cast<const uint4*>(row + fragment_col<KV>(j, qd));
   }
 }
 
-// Eight of q's elements as MMA elements: as they are, or bf16 -> fp16 for fp8 caches (rounded to
+// Eight of q's elements as MMA elements: as they are, or bf16 -> fp16 for int8 caches (rounded to
 // nearest, saturated to fp16's range).
 template <typename T, typename M>
 __device__ __forceinline__ uint4 to_mma(uint4 x) {
@@ -139,7 +174,7 @@ struct RingSlot {
 
 template <typename KV, int D>
 __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
-                                        KV* stages, uint64_t* full, uint64_t* empty) {
+                                        uint8_t* ring, uint64_t* full, uint64_t* empty) {
   constexpr int kTile = tile_tokens(D);
   const int lane = threadIdx.x % 32;
   const int bs = p.block_size;
@@ -149,10 +184,12 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
   const int copies = kTile / copy_rows;
   const int pages = (w.len + bs - 1) / bs;
   const int32_t* table = p.block_table + (int64_t)w.b * p.block_table_stride;
-  const int64_t block_elems = (int64_t)p.num_kv_heads * bs * D;
-  const int64_t head_elems = (int64_t)w.kv_head * bs * D;
+  const int64_t block_rows = (int64_t)p.num_kv_heads * bs;  // cache rows (token, KV head) of a block
+  const int64_t head_rows = (int64_t)w.kv_head * bs;
   const KV* k_cache = static_cast<const KV*>(p.k_cache);
   const KV* v_cache = static_cast<const KV*>(p.v_cache);
+  const __half* k_scales = static_cast<const __half*>(p.k_scale);  // int8 caches: a scale per cache row
+  const __half* v_scales = static_cast<const __half*>(p.v_scale);
 
   // Block ids of pages [base, base + 64), one per lane in cur and next; 0 past the last page. A
   // tile's pages never straddle base + 32 (a tile is a whole number of pages, or part of one, and
@@ -180,14 +217,23 @@ __device__ __forceinline__ void produce(const DecodeParams& p, const Work& w, in
     const int block = min(max(__shfl_sync(0xffffffffu, cur, (page - base) & 31), 0), p.num_blocks - 1);
     const int rows = lane < copies ? max(0, min(copy_rows, w.len - first_token)) : 0;
     const uint32_t bytes = rows * D * (uint32_t)sizeof(KV);
-    const uint32_t stage_bytes = 2 * __reduce_add_sync(0xffffffffu, bytes);
+    // int8 caches: the rows' scales too, in whole 16-byte pieces (8 scales; copy_rows and the
+    // page are multiples of 16 rows, so the rounded copy stays inside the page)
+    const uint32_t scale_bytes = is_int8<KV>() ? (rows + 7) / 8 * 16 : 0;
+    uint32_t stage_bytes = 2 * __reduce_add_sync(0xffffffffu, bytes);
+    if constexpr (is_int8<KV>()) stage_bytes += 2 * __reduce_add_sync(0xffffffffu, scale_bytes);
     if (lane == 0) mbar_arrive_expect_tx(&full[stage], stage_bytes);
     __syncwarp();
     if (rows > 0) {
-      const int64_t src = block * block_elems + head_elems + (int64_t)(first_token - page * bs) * D;
-      KV* k_dst = stages + (int64_t)stage * 2 * kTile * D + lane * copy_rows * D;
-      bulk_load(k_dst, k_cache + src, bytes, &full[stage]);
-      bulk_load(k_dst + kTile * D, v_cache + src, bytes, &full[stage]);
+      const int64_t src_row = block * block_rows + head_rows + (first_token - page * bs);
+      KV* k_dst = stage_rows<KV, D>(ring, stage) + lane * copy_rows * D;
+      bulk_load(k_dst, k_cache + src_row * D, bytes, &full[stage]);
+      bulk_load(k_dst + kTile * D, v_cache + src_row * D, bytes, &full[stage]);
+      if constexpr (is_int8<KV>()) {
+        __half* s_dst = stage_scales<KV, D>(ring, stage) + lane * copy_rows;
+        bulk_load(s_dst, k_scales + src_row, scale_bytes, &full[stage]);
+        bulk_load(s_dst + kTile, v_scales + src_row, scale_bytes, &full[stage]);
+      }
     }
   }
   if (ahead >= n_tiles) pdl_wait();  // all read ahead; the epilogue writes
@@ -220,11 +266,10 @@ __device__ __forceinline__ float softmax_step(float& m, float& l, float (&x)[N])
 // One consumer warp's pass over the split: online softmax state (m, l) per query-head row
 // (this thread's rows r and r + 8) and the output fragments o, unnormalised. The warp owns W
 // tokens of each tile, in pieces of 8 (h); P V takes them 16 at a time (kk). Without kHi the
-// block serves at most eight query heads: rows r + 8 are padding and get no softmax work. With
-// fp8 caches o holds P V' for V' = V / (v_scale * kFp8Unbias): the epilogue scales it back.
+// block serves at most eight query heads: rows r + 8 are padding and get no softmax work.
 template <typename T, typename KV, int D, int W, bool kHi>
 __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, int n_tiles, RingSlot& slot,
-                                        const KV* stages,
+                                        uint8_t* ring,
                                         uint64_t* full, uint64_t* empty, float (&o)[D / 32][4][4], float& m_lo,
                                         float& m_hi, float& l_lo, float& l_hi) {
   using S = Shape<D, W>;
@@ -244,19 +289,30 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
                   ? to_mma<T, M>(__ldg(reinterpret_cast<const uint4*>(q + (w.q_head0 + r + 8) * p.q_stride_h + col)))
                   : zero;
   }
-  float scale_log2 = p.scale * kLog2e;
-  if constexpr (is_fp8<KV>()) scale_log2 *= __ldg(p.k_scale + w.kv_head) * kFp8Unbias;
+  const float scale_log2 = p.scale * kLog2e;
 
   for (int i = 0; i < n_tiles; ++i, slot.advance()) {
     const int stage = slot.stage;
     const int t_warp = w.start + i * kTile + warp * W;
     mbar_wait(&full[stage], slot.round & 1);
-    const KV* k_tile = stages + (int64_t)stage * 2 * kTile * D + warp * W * D;
+    const KV* k_tile = stage_rows<KV, D>(ring, stage) + warp * W * D;
     const KV* v_tile = k_tile + kTile * D;
     if (t_warp >= w.end || t_warp + W <= w.first) {  // none of this warp's tokens is attended
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[stage]);
       continue;
+    }
+    // int8 caches: the K scales of this thread's score columns (tokens t_warp + 8 h + 2 qd + {0, 1})
+    // and the V scales of its V rows (tokens t_warp + 8 h + r)
+    float2 k_sc[kPieces];
+    __half v_sc[kPieces];
+    if constexpr (is_int8<KV>()) {
+      const __half* scales = stage_scales<KV, D>(ring, stage) + warp * W;
+#pragma unroll
+      for (int h = 0; h < kPieces; ++h) {
+        k_sc[h] = __half22float2(*reinterpret_cast<const __half2*>(scales + 8 * h + 2 * qd));
+        v_sc[h] = scales[kTile + 8 * h + r];
+      }
     }
     float s[kPieces][4];
 #pragma unroll
@@ -273,15 +329,24 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
     uint4 v[kPieces][S::kGroups];
     if constexpr (!S::kLateV) {
 #pragma unroll
-      for (int h = 0; h < kPieces; ++h) load_row<KV, D>(v_tile + (8 * h + r) * D, qd, v[h]);
+      for (int h = 0; h < kPieces; ++h) {
+        load_row<KV, D>(v_tile + (8 * h + r) * D, qd, v[h]);
+        if constexpr (is_int8<KV>()) scale_fragments(v[h], v_sc[h]);
+      }
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[stage]);
     }
 
 #pragma unroll
-    for (int h = 0; h < kPieces; ++h)
+    for (int h = 0; h < kPieces; ++h) {
+      if constexpr (is_int8<KV>()) {
+        const float lo_col = scale_log2 * k_sc[h].x, hi_col = scale_log2 * k_sc[h].y;
+        s[h][0] *= lo_col, s[h][1] *= hi_col, s[h][2] *= lo_col, s[h][3] *= hi_col;
+      } else {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) s[h][c] *= scale_log2;
+        for (int c = 0; c < 4; ++c) s[h][c] *= scale_log2;
+      }
+    }
     // dead[h]: this thread's V row of piece h is outside [first, end) and may hold anything, NaN included.
     bool dead[kPieces];
 #pragma unroll
@@ -294,6 +359,7 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
           const int t = t_warp + 8 * h + 2 * qd + (c & 1);
           if (t >= w.end || t < w.first) s[h][c] = kNegInf;
         }
+
         const int t = t_warp + 8 * h + r;
         dead[h] = t >= w.end || t < w.first;
         if constexpr (!S::kLateV)
@@ -322,10 +388,17 @@ __device__ __forceinline__ void consume(const DecodeParams& p, const Work& w, in
     for (int j = 0; j < S::kGroups; ++j) {
       uint4 vj[kPieces];
 #pragma unroll
-      for (int h = 0; h < kPieces; ++h)
-        vj[h] = !S::kLateV ? v[h][j]
-                : dead[h]  ? zero
-                           : load_group<KV>(v_tile + (8 * h + r) * D, j, qd);
+      for (int h = 0; h < kPieces; ++h) {
+        if constexpr (!S::kLateV) {
+          vj[h] = v[h][j];
+        } else if (dead[h]) {
+          vj[h] = zero;
+        } else {
+          uint4 g[1] = {load_group<KV>(v_tile + (8 * h + r) * D, j, qd)};
+          if constexpr (is_int8<KV>()) scale_fragments(g, v_sc[h]);
+          vj[h] = g[0];
+        }
+      }
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         o[j][c][0] *= alpha_lo;

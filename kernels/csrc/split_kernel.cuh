@@ -25,19 +25,19 @@ constexpr int kRecvLseBytes = kMaxClusterSplits * kRows * 4;
 enum Sink { kToOutput, kToPartial, kToCluster };
 
 // Shared memory past a block's ring (and past the epilogue, which reuses the first stages).
-template <typename KV>
+template <typename KV, int D>
 __host__ __device__ __forceinline__ int past_ring(const DecodeParams& p) {
-  return max(p.ring_stages * stage_bytes<KV>(), kMinStages * kStageBytes);
+  return max(p.ring_stages * stage_bytes<KV, D>(), kMinStages * kStageBytes);
 }
 
 // A cluster leader's receive area, past its ring: every split's LSEs (kRows each), then its rows.
-template <typename KV>
+template <typename KV, int D>
 __device__ __forceinline__ float* cluster_recv_lse(const DecodeParams& p, uint8_t* smem) {
-  return reinterpret_cast<float*>(smem + past_ring<KV>(p));
+  return reinterpret_cast<float*>(smem + past_ring<KV, D>(p));
 }
-template <typename KV>
+template <typename KV, int D>
 __device__ __forceinline__ float* cluster_recv_rows(const DecodeParams& p, uint8_t* smem) {
-  return cluster_recv_lse<KV>(p, smem) + kMaxClusterSplits * kRows;
+  return cluster_recv_lse<KV, D>(p, smem) + kMaxClusterSplits * kRows;
 }
 
 // One block's attention over tokens [w.start, w.end) of one (sequence, head group): the K/V ring
@@ -55,7 +55,6 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
   const int r = lane / 4, qd = lane % 4;
   const bool consumer = warp != S::kProducerWarp;
   const int hq = p.num_q_heads;
-  KV* stages = reinterpret_cast<KV*>(smem);
   float* o_smem = reinterpret_cast<float*>(smem);
   const int n_tiles = (w.end - w.start + kTile - 1) / kTile;
   RingSlot ring(p.ring_stages);
@@ -69,11 +68,11 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
   if (consumer) {
     wait_for_predecessor();  // q is the predecessor's output
     if constexpr (W == 32)  // the launcher gives 32-token warps groups of at most eight heads
-      consume<T, KV, D, W, false>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+      consume<T, KV, D, W, false>(p, w, n_tiles, ring, smem, full, empty, o, m_lo, m_hi, l_lo, l_hi);
     else if (w.rows > 8)
-      consume<T, KV, D, W, true>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+      consume<T, KV, D, W, true>(p, w, n_tiles, ring, smem, full, empty, o, m_lo, m_hi, l_lo, l_hi);
     else
-      consume<T, KV, D, W, false>(p, w, n_tiles, ring, stages, full, empty, o, m_lo, m_hi, l_lo, l_hi);
+      consume<T, KV, D, W, false>(p, w, n_tiles, ring, smem, full, empty, o, m_lo, m_hi, l_lo, l_hi);
     if (qd == 0) {
       warp_max[warp][r] = m_lo;
       warp_max[warp][r + 8] = m_hi;
@@ -81,13 +80,11 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
       warp_sum[warp][r + 8] = l_hi;
     }
   } else {
-    produce<KV, D>(p, w, n_tiles, ring, stages, full, empty);
+    produce<KV, D>(p, w, n_tiles, ring, smem, full, empty);
   }
   __syncthreads();  // every consumer's state is in and every stage is drained
 
   if (consumer) {  // rescale to the block's max and normalise, into o_smem[warp][row][:]
-    float v_mult = 1.f;  // fp8 caches: o holds P V / (v_scale * kFp8Unbias)
-    if constexpr (is_fp8<KV>()) v_mult = __ldg(p.v_scale + w.kv_head) * kFp8Unbias;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       if (half == 1 && w.rows <= 8) break;  // rows r + 8 are padding
@@ -99,7 +96,7 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
       float total = 0.f;
 #pragma unroll
       for (int k = 0; k < kConsumerWarps; ++k) total += warp_sum[k][row] * exp2_approx(warp_max[k][row] - base);
-      const float factor = total > 0.f ? __fdividef(exp2_approx((half ? m_hi : m_lo) - base), total) * v_mult : 0.f;
+      const float factor = total > 0.f ? __fdividef(exp2_approx((half ? m_hi : m_lo) - base), total) : 0.f;
       if (warp == 0 && qd == 0) row_lse[row] = total > 0.f ? (base + __log2f(total)) * kLn2 : kNegInf;
       float* dst = o_smem + (warp * kRows + row) * S::kOStride;
 #pragma unroll
@@ -113,8 +110,8 @@ __device__ __forceinline__ void attend(const DecodeParams& p, const Work& w, Sin
   __syncthreads();
   if (sink == kToCluster) cluster_wait_started();
 
-  float* recv_lse = cluster_recv_lse<KV>(p, smem);
-  float* recv_rows = cluster_recv_rows<KV>(p, smem);
+  float* recv_lse = cluster_recv_lse<KV, D>(p, smem);
+  float* recv_rows = cluster_recv_rows<KV, D>(p, smem);
   constexpr int kCols = D / 4;
   for (int idx = threadIdx.x; idx < w.rows * kCols; idx += kThreads) {
     const int row = idx / kCols, col = idx % kCols;
@@ -154,7 +151,7 @@ __device__ __forceinline__ void write_empty(const DecodeParams& p, const Work& w
   } else if (cluster) {
     cluster_wait_started();
     if (threadIdx.x < w.rows)
-      cluster_store(cluster_addr(cluster_recv_lse<KV>(p, smem) + blockIdx.x * kRows + threadIdx.x, 0), kNegInf);
+      cluster_store(cluster_addr(cluster_recv_lse<KV, D>(p, smem) + blockIdx.x * kRows + threadIdx.x, 0), kNegInf);
   } else if (threadIdx.x < w.rows) {
     p.partial_lse[((int64_t)w.b * splits + blockIdx.x) * hq + w.q_head0 + threadIdx.x] = kNegInf;
   }
@@ -201,7 +198,7 @@ __global__ void __launch_bounds__(Shape<D, W>::kThreads, Shape<D, W>::kMinBlocks
     cluster_arrive();
     if (blockIdx.x != 0) return;
     cluster_wait();
-    cluster_merge<T, D>(p, w, cluster_recv_lse<KV>(p, smem), cluster_recv_rows<KV>(p, smem));
+    cluster_merge<T, D>(p, w, cluster_recv_lse<KV, D>(p, smem), cluster_recv_rows<KV, D>(p, smem));
   }
 }
 

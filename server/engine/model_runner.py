@@ -16,14 +16,13 @@ import numpy as np
 import torch
 
 import kernels
-from kernels.kv_quant import FP8
+from kernels.kv_quant import INT8, SCALE_DTYPE, new_scales
 from models import (AttentionBatch, FusedDecoder, LoadedModel, cpu_forward, cpu_unsupported_reason, forward_logits,
                     fused_unsupported_reason, head_dim_of, layer_windows)
 
 from .config import EngineConfig
 from .grammar import TokenMasks
 from .graphs import capture_graphs
-from .kv_scales import CALIBRATION_TEXT, KvScales, calibrate, calibration_ids, load_scales
 from .penalties import PenaltyState
 from .pipeline import Sampled, StepPipeline
 from .prefill_graphs import PrefillGraphs, key_rows, token_slots
@@ -35,27 +34,21 @@ from .threads import configure_cpu_threads
 log = logging.getLogger(__name__)
 
 
+def kv_row_bytes(head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one cached row (a token's K or V for one KV head): its elements, plus an int8
+    row's float16 scale."""
+    scale = SCALE_DTYPE.itemsize if dtype == INT8 else 0
+    return head_dim * dtype.itemsize + scale
+
+
 def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    head_dim = head_dim_of(config)
-    per_layer = 2 * config.num_key_value_heads * block_size * head_dim * torch.finfo(dtype).bits // 8
+    per_layer = 2 * config.num_key_value_heads * block_size * kv_row_bytes(head_dim_of(config), dtype)
     return per_layer * config.num_hidden_layers
 
 
-# The CUDA kernel reads fp8 pages at head_dim 256 in half the bf16 kernel's speed (it dequantises V
-# one 8-column group at a time there; docs/performance.md): the engine does not offer that path.
-FP8_SLOW_HEAD_DIMS = (256,)
-
-
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: float8_e4m3fn for 'fp8', else the model's dtype."""
-    return FP8 if config.kv_cache_dtype == "fp8" else model_dtype
-
-
-def check_fp8_serves(device: torch.device, head_dim: int) -> None:
-    """Refuses an fp8 KV cache where our CUDA kernel reads it slower than the model's own dtype."""
-    if device.type == "cuda" and head_dim in FP8_SLOW_HEAD_DIMS:
-        raise ValueError(f"kv_cache_dtype 'fp8' at head_dim {head_dim} decodes at about half the speed of the "
-                         f"bf16 cache on CUDA (fp8 is served at head_dim 64 and 128); use kv_cache_dtype 'auto'")
+    """The KV cache's element type: int8 for 'int8', else the model's dtype."""
+    return INT8 if config.kv_cache_dtype == "int8" else model_dtype
 
 
 class ModelRunner:
@@ -65,8 +58,8 @@ class ModelRunner:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.kv_dtype = kv_cache_dtype(config, self.dtype)
-        if self.kv_dtype == FP8 and self.device.type == "cuda" and self.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"kv_cache_dtype 'fp8' on CUDA needs a bfloat16 or float16 model, not {self.dtype}")
+        if self.kv_dtype == INT8 and self.device.type == "cuda" and self.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"kv_cache_dtype 'int8' on CUDA needs a bfloat16 or float16 model, not {self.dtype}")
         self.block_size = config.block_size
         self.max_batch = config.max_batch
         self.max_model_len = max_model_len
@@ -74,8 +67,6 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.num_q_heads = cfg.num_attention_heads
         self.head_dim = head_dim_of(cfg)
-        if self.kv_dtype == FP8:
-            check_fp8_serves(self.device, self.head_dim)
         self.num_layers = cfg.num_hidden_layers
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
 
@@ -94,17 +85,13 @@ class ModelRunner:
         self._init_decode_buffers()
         self.penalties = PenaltyState(cfg.vocab_size, self.device)
         self.forward = self._pick_forward(config)
-        # fp8: each layer's (k_scale, v_scale) on the device, set once before any graph captures them
+        # int8: each layer's (k_scale, v_scale), the row scales beside the caches, written with the rows
         self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.scales: KvScales | None = None
-        if self.kv_dtype == FP8:
-            self.scales = self._kv_scales(config, loaded.tokenizer)
-            self.kv_scales = [(self.scales.k[i].to(self.device).contiguous(), self.scales.v[i].to(self.device).contiguous())
-                              for i in range(self.num_layers)]
-            log.info("KV cache float8_e4m3fn, scales per layer and KV head: %s", self.scales.describe())
+        if self.kv_dtype == INT8:
+            self.kv_scales = [(new_scales(k), new_scales(v)) for k, v in self.kv_caches]
         if self.kv_dtype != self.dtype:
             log.info("KV pool: %d tokens in %d blocks of %d (%s)%s", self.kv_tokens, self.num_blocks, self.block_size,
-                     str(self.kv_dtype).replace("torch.", ""), self._pool_comparison(config))
+                     self._describe_kv(), self._pool_comparison(config))
         # {batch bucket: (graph, (logits, greedy ids))}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.capture_seconds = 0.0
@@ -152,12 +139,11 @@ class ModelRunner:
     def kv_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def _kv_scales(self, config: EngineConfig, tokenizer) -> KvScales:
-        if config.kv_scales_path is not None:
-            return load_scales(config.kv_scales_path, self.num_layers, self.num_kv_heads)
-        ids = calibration_ids(tokenizer)[:self.max_model_len]
-        return calibrate(self.forward, ids, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                         self.dtype, self.device, CALIBRATION_TEXT.name)
+    def _describe_kv(self) -> str:
+        name = str(self.kv_dtype).replace("torch.", "")
+        if self.kv_dtype == INT8:
+            name += " with a float16 scale per token and KV head"
+        return f"{name}, {kv_row_bytes(self.head_dim, self.kv_dtype)} bytes a row of {self.head_dim}"
 
     def _kv_budget(self, config: EngineConfig) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
@@ -166,13 +152,16 @@ class ModelRunner:
         return int(total * config.gpu_memory_fraction) - in_use - activation_reserve
 
     def _pool_comparison(self, config: EngineConfig) -> str:
-        """For an fp8 pool sized from memory: the model dtype's pool in the same bytes."""
-        if self.kv_dtype == self.dtype or config.num_blocks or self.device.type != "cuda":
-            return ""
-        per_block = kv_bytes_per_block(self.model.config, self.block_size, self.dtype)
-        ratio = per_block / kv_bytes_per_block(self.model.config, self.block_size, self.kv_dtype)
-        same_bytes = self.num_blocks * self.block_size / ratio
-        return f", {ratio:.0f}x the {int(same_bytes)} tokens of a {str(self.dtype).replace('torch.', '')} pool"
+        """The pool against one of the model's dtype in the same bytes (at the same memory
+        fraction, where the pool is sized from memory)."""
+        ratio = (kv_bytes_per_block(self.model.config, self.block_size, self.dtype)
+                 / kv_bytes_per_block(self.model.config, self.block_size, self.kv_dtype))
+        model_dtype = str(self.dtype).replace("torch.", "")
+        if config.num_blocks or self.device.type != "cuda":
+            return f"; {ratio:.2f}x the tokens of a {model_dtype} pool in the same bytes"
+        same_bytes = self.num_blocks // ratio * self.block_size
+        return (f"; {ratio:.2f}x the {int(same_bytes)} tokens of a {model_dtype} pool at gpu_memory_fraction "
+                f"{config.gpu_memory_fraction}")
 
     def _blocks_from_memory(self, config: EngineConfig) -> int:
         per_block = kv_bytes_per_block(self.model.config, self.block_size, self.kv_dtype)

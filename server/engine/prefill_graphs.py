@@ -51,7 +51,7 @@ class PrefillGraphs:
                  pool_tokens: int, kv_scales=None):
         self.forward = forward                    # forward_logits' contract, the model bound
         self.kv_caches = kv_caches
-        self.kv_scales = kv_scales                # fp8 caches: each layer's (k_scale, v_scale)
+        self.kv_scales = kv_scales                # int8 caches: each layer's (k_scale, v_scale)
         self.buckets = tuple(sorted(buckets))
         # key rows are at most the pool's tokens and the padding rows
         most = pool_tokens + self.buckets[-1]

@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one command, logs under $OUT and a short table last.
 #
 #   OUT=results/gpu bash tests/gpu/run_on_device.sh [tests] [profile] [kernel-bench] [layer-bench] [engine-bench]
-#       [http] [prefix] [prefix-engine] [tokenize] [window] [arch-tests] [arch] [fp8] [structured]
+#       [http] [prefix] [prefix-engine] [tokenize] [window] [arch-tests] [arch] [int8] [structured]
 #
 # arch-tests: the GPU tests of the small architectures' presets (fused and transformers' layers
 # against fp32) and of the layer ops they use. arch: load_tests.arch_bench over every preset
@@ -12,8 +12,10 @@
 # (Not FLASHDECODE_API_WORKERS: the server reads that one itself.) LOADGEN_WORKERS: client processes (default 8;
 # at 256 streams 4 of them ran at about 90 % CPU each and set the pace).
 # GPU_TESTS narrows the tests stage (pytest paths); KERNEL_BENCH_ARGS go to benchmarks.kernel_bench (both stages).
-# fp8: the fp8 KV cache's GPU tests, its accuracy on the real SmolLM2 weights, the kernel grid with
-# an fp8 column and the engine's decode step alone with either cache.
+# int8: the int8 KV cache's GPU tests, its accuracy on the real SmolLM2 weights against the fp32
+# model (every format), the kernel grid with an int8 column (B up to 256) and the engine's decode
+# step alone with either cache; INT8_PARTS narrows it (default "tests accuracy kernel engine",
+# about 8 minutes with the build on an H100).
 # With no stage named, all run. On a host without the web stack, wheels in .whl/ are installed
 # first.
 set -uo pipefail
@@ -27,7 +29,7 @@ if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 source tests/gpu/require_server_stack.sh
-stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix prefix-engine tokenize window arch-tests arch fp8 structured}
+stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix prefix-engine tokenize window arch-tests arch int8 structured}
 want() { [[ " $stages " == *" $1 "* ]]; }
 summary=()
 t0=$(date +%s)
@@ -117,25 +119,36 @@ if want arch; then
       --out "$OUT/arch" 2>&1 | tee "$OUT/arch_bench.log" | grep -v '^{' | grep -vE '^[0-9]{4}-' | tail -30
   summary+=("arch benchmark: $OUT/arch/arch_bench.md")
 fi
-if want fp8; then
-  stamp "fp8 KV cache: GPU tests"
-  timeout 400 python3 -m pytest -q -m gpu tests/gpu/test_kv_fp8_cuda.py -p no:cacheprovider -rs 2>&1 \
-      | tee "$OUT/fp8_tests.log" | tail -25
-  summary+=("fp8 tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/fp8_tests.log" | tail -1)")
-  stamp "fp8 KV cache: accuracy on SmolLM2-135M-Instruct (teacher-forced, greedy Paris)"
-  timeout 300 python3 -m load_tests.kv_accuracy --device cuda --out "$OUT/fp8_accuracy.json" 2>&1 \
-      | tee "$OUT/fp8_accuracy.log" | grep -v INFO | tail -8
-  summary+=("fp8 accuracy: $(grep -E 'agreement' "$OUT/fp8_accuracy.log" | tail -1) /$(grep -E 'mean KL' "$OUT/fp8_accuracy.log" | tail -1) /$(grep -E 'targets' "$OUT/fp8_accuracy.log" | tail -1)")
-  stamp "fp8 KV cache: kernel grid, ours fp8 vs ours bf16 vs cuDNN bf16"
-  mkdir -p "$OUT/fp8_kernel"
-  timeout 480 python3 -m benchmarks.kernel_bench --fp8 --peers cudnn --out "$OUT/fp8_kernel" ${KERNEL_BENCH_ARGS:-} 2>&1 \
-      | tee "$OUT/fp8_kernel_bench.log" | tail -36
-  while read -r line; do summary+=("fp8 kernel: $line"); done < <(grep -E '^(min|geomean) fp8' "$OUT/fp8_kernel_bench.log")
-  stamp "fp8 KV cache: engine decode step alone, bf16 vs fp8 cache"
-  timeout 420 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m --kv-cache-dtype auto fp8 \
-      --decode-step 8:32768 256:4096 1:128 --repeats 3 --out "$OUT/fp8_decode_step.json" 2>&1 \
-      | tee "$OUT/fp8_decode_step.log" | grep -E '^\||decode step alone|KV pool|scales' | tail -12
-  while read -r line; do summary+=("fp8 decode step: $line"); done < <(grep -E '^\| [0-9]' "$OUT/fp8_decode_step.log")
+if want int8; then
+  parts=" ${INT8_PARTS:-tests accuracy kernel engine} "
+  if [[ $parts == *" tests "* ]]; then
+    stamp "int8 KV cache: GPU tests"
+    timeout 180 python3 -m pytest -q -m gpu tests/gpu/test_kv_int8_cuda.py tests/gpu/test_read_kv_cuda.py \
+        -p no:cacheprovider -rs 2>&1 | tee "$OUT/int8_tests.log" | tail -25
+    summary+=("int8 tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/int8_tests.log" | tail -1)")
+  fi
+  if [[ $parts == *" accuracy "* ]]; then
+    stamp "int8 KV cache: accuracy on SmolLM2-135M-Instruct against the fp32 model (teacher-forced, greedy Paris)"
+    timeout 150 python3 -m load_tests.kv_accuracy --device cuda --out "$OUT/int8_accuracy.json" 2>&1 \
+        | tee "$OUT/int8_accuracy.log" | grep -v -E '^(Loading|INFO)' | tail -18
+    summary+=("int8 accuracy:" "$(grep -E '^\| [a-z0-9]' "$OUT/int8_accuracy.log")" "$(grep -E 'targets|TARGETS' "$OUT/int8_accuracy.log")")
+  fi
+  if [[ $parts == *" kernel "* ]]; then
+    stamp "int8 KV cache: kernel grid, ours int8 vs ours bf16 vs cuDNN bf16"
+    mkdir -p "$OUT/int8_kernel"
+    timeout 170 python3 -m benchmarks.kernel_bench --int8 --peers cudnn --batches 1 8 64 256 --lengths 512 4096 32768 \
+        --max-kv-mb 9000 --out "$OUT/int8_kernel" ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/int8_kernel_bench.log" | tail -40
+    summary+=("int8 kernel on $(sed -n 2p "$OUT/gpu.txt" | cut -d, -f1):")
+    while read -r line; do summary+=("$line"); done < <(sed -n '/^| shape | B | M | bf16 KV MB/,/^$/p' "$OUT/int8_kernel_bench.log")
+    while read -r line; do summary+=("int8 kernel: $line"); done < <(grep -E '^(min|geomean) int8' "$OUT/int8_kernel_bench.log")
+  fi
+  if [[ $parts == *" engine "* ]]; then
+    stamp "int8 KV cache: engine decode step alone, bf16 vs int8 cache"
+    timeout 120 python3 -m load_tests.engine_bench --device cuda --model random:smollm2-135m --kv-cache-dtype auto int8 \
+        --decode-step 8:32768 256:4096 1:128 --repeats 2 --out "$OUT/int8_decode_step.json" 2>&1 \
+        | tee "$OUT/int8_decode_step.log" | grep -E '^\||decode step alone|KV pool' | tail -12
+    while read -r line; do summary+=("int8 decode step: $line"); done < <(grep -E '^\| [0-9]' "$OUT/int8_decode_step.log")
+  fi
 fi
 if want structured; then
   stamp "structured output: GPU test, then the engine with and without JSON schemas"

@@ -1,6 +1,6 @@
 """kernels.read_kv on the GPU: the key and value rows at their cache slots, the prefill after a
 cached prefix's read of the paged cache. Bit for bit against the reference's indexing (a copy for
-16-bit caches; code * scale in float32, rounded once, for fp8 caches); slot -1 reads zeros. The
+16-bit caches; code * row scale in float32, rounded once, for int8 caches); slot -1 reads zeros. The
 output buffers come from the caching allocator, which is first handed memory full of NaN, so a
 row the kernel skipped would show. Fresh random inputs every run."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.kv_quant import FP8
+from kernels.kv_quant import INT8, SCALE_DTYPE
 
 from .test_flash_decode_cuda import DEVICE, fresh_seed  # noqa: F401
 
@@ -56,13 +56,12 @@ def test_read_kv_is_the_rows_at_the_slots(dtype, head_dim, block_size, rows):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_read_kv_dequantises_fp8_codes_as_the_reference(dtype, head_dim):
+def test_read_kv_dequantises_int8_codes_as_the_reference(dtype, head_dim):
     hkv, blocks, block_size, rows = 4, 24, 16, 3000
-    codes = torch.randint(0, 256, (2, blocks, hkv, block_size, head_dim), dtype=torch.uint8, device=DEVICE)
-    codes[(codes & 0x7F) == 0x7F] = 0x11                         # no NaN codes
-    k8, v8 = codes.view(FP8).unbind(0)
-    k_scale = torch.rand(hkv, device=DEVICE) * 0.05 + 1e-3
-    v_scale = torch.rand(hkv, device=DEVICE) * 20 + 1e-3
+    codes = torch.randint(-127, 128, (2, blocks, hkv, block_size, head_dim), dtype=INT8, device=DEVICE)
+    k8, v8 = codes.unbind(0)
+    k_scale = (torch.rand(blocks, hkv, block_size, device=DEVICE) * 0.05 + 1e-3).to(SCALE_DTYPE)
+    v_scale = (torch.rand(blocks, hkv, block_size, device=DEVICE) * 200 + 1e-3).to(SCALE_DTYPE)
     slots = random_slots(rows, blocks * block_size)
     poison_allocator(4 * rows * hkv * head_dim * 2)
     k, v = kernels.read_kv(k8, v8, slots, dtype, k_scale, v_scale)
