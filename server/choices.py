@@ -12,11 +12,10 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
-import anyio
 from fastapi import Request
 
 from .engine.params import FinishEvent, SamplingParams
-from .generation import ClientGone, Generation, Prompt, submit
+from .generation import ClientGone, Generation, Prompt, drain_unless_gone, submit
 from .services import Services
 
 SEED_STRIDE = 0x9E3779B97F4A7C15          # odd: distinct choices never share a seed
@@ -80,22 +79,7 @@ class ChoiceGroup:
     async def collect(self, request: Request) -> list[FinishEvent]:
         """Runs every choice to its finish; aborts them all and raises ClientGone if the client
         disconnects first."""
-        async def consume(scope: anyio.CancelScope):
-            async for _ in self.events():
-                pass
-            scope.cancel()
-
-        async def watch(scope: anyio.CancelScope):
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            scope.cancel()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(consume, tg.cancel_scope)
-                tg.start_soon(watch, tg.cancel_scope)
-        finally:
-            self.close()
+        await drain_unless_gone(request, self.events(), self.close)
         if any(g.finish is None for g in self.generations):
             raise ClientGone()
         return [g.finish for g in self.generations]

@@ -204,22 +204,7 @@ class Generation:
 
     async def collect(self, request: Request) -> FinishEvent:
         """Runs to the finish event; aborts and raises ClientGone if the client disconnects."""
-        async def consume(scope: anyio.CancelScope):
-            async for _ in self:
-                pass
-            scope.cancel()
-
-        async def watch(scope: anyio.CancelScope):
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            scope.cancel()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(consume, tg.cancel_scope)
-                tg.start_soon(watch, tg.cancel_scope)
-        finally:
-            self.close()
+        await drain_unless_gone(request, self, self.close)
         if self.finish is None:
             raise ClientGone()
         return self.finish
@@ -284,6 +269,27 @@ class Generation:
         else:
             message = "request finished"
         log.log(level, message, extra={"fields": fields})
+
+
+async def drain_unless_gone(request: Request, events, close) -> None:
+    """Reads ``events`` to their end, unless the client disconnects first; ``close()`` after
+    either (it aborts what has not finished)."""
+    async def consume(scope: anyio.CancelScope):
+        async for _ in events:
+            pass
+        scope.cancel()
+
+    async def watch(scope: anyio.CancelScope):
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume, tg.cancel_scope)
+            tg.start_soon(watch, tg.cancel_scope)
+    finally:
+        close()
 
 
 def submit(services: Services, engine, request: Request, prompt: Prompt, params: SamplingParams,
