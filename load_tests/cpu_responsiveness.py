@@ -25,7 +25,7 @@ from pathlib import Path
 
 from server.engine import EngineConfig, FinishEvent, ProcessEngine, SamplingParams
 
-CALIBRATION = Path(__file__).resolve().parents[1] / "models" / "calibration.txt"
+PROSE = Path(__file__).resolve().parent / "accuracy_text.md"     # any English prose, repeated to length
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Result:
 
 
 def long_prompt(tokenizer, tokens: int) -> list[int]:
-    ids = tokenizer(CALIBRATION.read_text())["input_ids"]
+    ids = tokenizer(PROSE.read_text())["input_ids"]
     while len(ids) < tokens:
         ids = ids + ids
     return list(ids[:tokens])

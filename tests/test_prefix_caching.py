@@ -314,11 +314,11 @@ def test_a_failed_prefill_leaves_nothing_cached_and_the_pool_whole(tiny):
 
 def test_no_prefix_caching_flag_turns_it_off(monkeypatch):
     from server.cli import engine_options, parse_args
-    monkeypatch.delenv("NO_PREFIX_CACHING", raising=False)
+    monkeypatch.delenv("FLASHDECODE_NO_PREFIX_CACHING", raising=False)
     assert "prefix_caching" not in engine_options(parse_args([]))
     assert EngineConfig().prefix_caching is True
     assert engine_options(parse_args(["--no-prefix-caching"]))["prefix_caching"] is False
-    monkeypatch.setenv("NO_PREFIX_CACHING", "1")
+    monkeypatch.setenv("FLASHDECODE_NO_PREFIX_CACHING", "1")
     assert engine_options(parse_args([]))["prefix_caching"] is False
 
 

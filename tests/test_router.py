@@ -265,7 +265,7 @@ def test_drain_a_replica_told_to_stop_loses_no_request(router, replicas):
         traffic.wait_sent_after(told, 8)
     outcomes = traffic.outcomes
     log = draining.log_path.read_text(errors="replace")
-    drain = [json.loads(line) for line in log.splitlines() if '"msg": "shutting down' in line][-1]
+    drain = [json.loads(line) for line in log.splitlines() if '"msg": "draining: ' in line][0]
     drained = [json.loads(line) for line in log.splitlines() if '"msg": "drained"' in line][-1]
     after = [o for o in outcomes if o.sent > told]
     print(f"\n{len(outcomes)} requests, {len(after)} sent after SIGTERM, {drain['running_requests']} running "
