@@ -1,6 +1,5 @@
-// torch.library registration of the flashdecode ops (CUDA): flash_decode and write_kv, and the
-// per-layer ops rms_norm, add_rms_norm, silu_and_mul (either gated activation), gemv, add_rms_norm_gemv
-// and rope_write_kv.
+// torch.library registration of the flashdecode ops (CUDA): flash_decode, write_kv, read_kv and the per-layer
+// ops rms_norm, add_rms_norm, silu_and_mul (either gated activation), gemv, add_rms_norm_gemv, rope_write_kv.
 // kernels/ops.py validates inputs with readable errors and registers the fake (meta) kernels;
 // the checks here only guard the raw pointers for callers of torch.ops.flashdecode directly.
 
