@@ -23,7 +23,7 @@ from models import (AttentionBatch, FusedDecoder, LoadedModel, cpu_forward, cpu_
 from .config import EngineConfig
 from .grammar import TokenMasks
 from .graphs import capture_graphs
-from .penalties import PenaltyState
+from .penalties import PenaltyState, to_device
 from .pipeline import Sampled, StepPipeline
 from .prefill_graphs import PrefillGraphs, key_rows, token_slots
 from .params import SamplingParams
@@ -348,7 +348,4 @@ class ModelRunner:
         return time.perf_counter() - started
 
     def _to_device(self, values) -> torch.Tensor:
-        host = torch.as_tensor(np.asarray(values, dtype=np.int32))
-        if self.device.type == "cuda":
-            return host.pin_memory().to(self.device, non_blocking=True)
-        return host
+        return to_device(values, torch.int32, self.device)

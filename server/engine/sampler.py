@@ -195,11 +195,12 @@ def sample_clean(logits: torch.Tensor, rows: SamplingRows, greedy_ids: torch.Ten
                  penalties: PenaltyState | None = None) -> tuple[torch.Tensor, StepLogprobs | None]:
     """``sample`` of logits that went through ``clean_logits`` (biases and penalties change them in
     place); ``greedy_ids``: their ``argmax_rows`` where already known."""
-    raw = asking = None
+    raw = asking = asking_index = None
     if rows.want_logprobs:
         asking = [i for i, k in enumerate(rows.logprobs) if k >= 0]
-        index = None if len(asking) == len(rows.logprobs) else to_device(asking, torch.int64, logits.device)
-        raw = (logits if index is None else logits.index_select(0, index)).log_softmax(dim=-1)
+        if len(asking) < len(rows.logprobs):
+            asking_index = to_device(asking, torch.int64, logits.device)
+        raw = (logits if asking_index is None else logits.index_select(0, asking_index)).log_softmax(dim=-1)
     penalty_index = None
     if rows.penalty_rows is not None:
         penalty_index = _penalty_index(rows, logits.device)
@@ -230,6 +231,6 @@ def sample_clean(logits: torch.Tensor, rows: SamplingRows, greedy_ids: torch.Ten
         count_generated(ids, *penalty_index, penalties)
     logprobs = None
     if raw is not None:
-        drawn = ids if len(asking) == len(rows.logprobs) else ids[to_device(asking, torch.int64, ids.device)]
+        drawn = ids if asking_index is None else ids[asking_index]
         logprobs = top_logprobs(raw, drawn, [rows.logprobs[i] for i in asking], asking)
     return ids, logprobs
