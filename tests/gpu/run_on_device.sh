@@ -24,10 +24,7 @@ OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export FLASHDECODE_CACHE=${FLASHDECODE_CACHE:-/tmp/flashdecode-cache}
-if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source tests/gpu/carried_wheels.sh
 source tests/gpu/require_server_stack.sh
 stages=${*:-tests profile kernel-bench layer-bench engine-bench http prefix prefix-engine tokenize window arch-tests arch int8 structured}
 want() { [[ " $stages " == *" $1 "* ]]; }

@@ -14,10 +14,7 @@ OUT=${OUT:-results/sampling}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
-if [ -d .whl ] && ! python3 -c "import fastapi" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source tests/gpu/carried_wheels.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
 if want tests; then
   echo "== GPU tests (bf16 log-probabilities, n, no host sync)"
