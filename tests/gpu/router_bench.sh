@@ -36,8 +36,8 @@ wheels=$(ls .whl/*.whl .whl-router/*.whl 2>/dev/null)
 if [ -n "$wheels" ] && ! python3 -c "import fastapi, sglang_router.launch_router" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  export PATH=/tmp/site/bin:$PATH
 fi
+[ -d /tmp/site/bin ] && export PATH=/tmp/site/bin:$PATH      # sglang-router's command, wherever the wheels went in
 source tests/gpu/require_server_stack.sh
 python3 -c "import sglang_router.launch_router" || { echo "sglang-router or one of its imports is missing (see the header)" >&2; exit 1; }
 t0=$(date +%s)
@@ -52,9 +52,11 @@ serve() {
       $( [ "$DEVICE" = cpu ] || echo --gpu-memory-fraction "$3" ) $SERVER_ARGS > "$OUT/$1.log" 2>&1 &
   pids+=($!)
 }
-wait_healthy() {  # PORT
+wait_healthy() {  # PORT: the replica started last; gives up as soon as it has exited
+  local pid=${pids[-1]}
   for _ in $(seq 600); do
     python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$1/health', timeout=2)" 2>/dev/null && return 0
+    kill -0 "$pid" 2>/dev/null || { echo "the replica on port $1 exited:" >&2; tail -5 "$OUT"/*.log >&2; return 1; }
     sleep 1
   done
   echo "no replica healthy on port $1" >&2; return 1
@@ -75,7 +77,8 @@ load() {
 
 stamp "one replica, $MEMORY_FRACTION of the GPU"
 serve single 18100 "$MEMORY_FRACTION"
-wait_healthy 18100 && load single http://127.0.0.1:18100 1
+wait_healthy 18100 || exit 1
+load single http://127.0.0.1:18100 1
 cleanup; pids=()
 
 half=$(python3 -c "print($MEMORY_FRACTION / 2)")

@@ -222,7 +222,7 @@ def test_a_greedy_decode_step_is_one_copy_in_one_replay_and_one_copy_out():
         seq = Sequence(f"s{i}", [11 + 5 * i + j for j in range(40)], SamplingParams(), 0)
         blocks.grow(seq.block_table, seq.length + 8)
         seqs.append(seq)
-    rows = SamplingRows([0.0] * 3, [0] * 3, [1.0] * 3, [1.0] * 3, [0] * 3, [0] * 3, None, False)
+    rows = SamplingRows([0.0] * 3, [0] * 3, [1.0] * 3, [1.0] * 3, [0] * 3, [0] * 3, None)
     with torch.inference_mode():
         runner.prefill([(s, s.length) for s in seqs])
         for s in seqs:
