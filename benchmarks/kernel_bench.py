@@ -103,8 +103,10 @@ class Case:
         self.int8 = [(q, *int8_caches(kc, vc), bt) for q, kc, vc, bt in self.paged] if int8 else []
         # int8 A/B: the same calls planned with twice the splits (the consumers convert codes, so
         # more blocks per SM may pay where the bf16 plan runs one)
+        self.workspace_int8 = (Workspace(batch, num_q, dim, seq_len, device, num_kv_heads=num_kv, windows=(window,),
+                                         kv_int8=True) if int8 else None)
         self.workspace_2x = (Workspace(batch, num_q, dim, seq_len, device, num_kv_heads=num_kv, windows=(window,),
-                                       split_scale=2) if int8 else None)
+                                       split_scale=2, kv_int8=True) if int8 else None)
 
     def ours(self, window=None):
         def make(q, kc, vc, bt):
@@ -113,7 +115,7 @@ class Case:
         return [make(*s) for s in self.paged]
 
     def ours_int8(self, window=None, workspace=None):
-        workspace = workspace or self.workspace
+        workspace = workspace or self.workspace_int8
 
         def make(q, kc, vc, ks, vs, bt):
             return lambda: ops.flash_decode_cuda(q, kc, vc, bt, self.seq_lens, workspace=workspace,
@@ -302,6 +304,7 @@ def main(argv=None):
                     int8 = [try_time(case.ours_int8()) for _ in range(args.repeat)]
                     int8 = [v for v in int8 if v is not None]
                     row["ours_int8_us"] = statistics.median(int8) if int8 else None
+                    row["int8_splits"] = case.workspace_int8.plan(batch).num_splits
                     row["int8_2x_splits"] = case.workspace_2x.plan(batch).num_splits
                     row["ours_int8_2x_us"] = try_time(case.ours_int8(workspace=case.workspace_2x))
                 for name, backend in PEERS.items():

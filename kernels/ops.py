@@ -139,10 +139,11 @@ def _validate_decode(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scal
     return batch, num_q_heads, num_kv_heads, head_dim, block_size
 
 
-def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_seq_len, window=None) -> Workspace:
+def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_seq_len, window=None,
+                      kv_int8: bool = False) -> Workspace:
     """The workspace kept for calls without one; grows (outside graph capture only) when outgrown
     or given a window it has no plan for."""
-    key = (device, num_q_heads, num_kv_heads, head_dim)
+    key = (device, num_q_heads, num_kv_heads, head_dim, kv_int8)
     ws = _default_workspaces.get(key)
     if ws is not None and batch <= ws.max_batch and max_seq_len <= ws.max_seq_len and ws.serves_window(window):
         return ws
@@ -153,7 +154,8 @@ def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_se
     if ws is not None:
         batch, max_seq_len = max(batch, ws.max_batch), max(max_seq_len, ws.max_seq_len)
         windows += ws.windows
-    ws = Workspace(batch, num_q_heads, head_dim, max_seq_len, device, num_kv_heads=num_kv_heads, windows=windows)
+    ws = Workspace(batch, num_q_heads, head_dim, max_seq_len, device, num_kv_heads=num_kv_heads, windows=windows,
+                   kv_int8=kv_int8)
     _default_workspaces[key] = ws
     return ws
 
@@ -165,9 +167,11 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
                                                                                seq_lens, k_scale, v_scale)
     load(q.device)
+    kv_int8 = k_cache.dtype == torch.int8
     if workspace is None:
         workspace = default_workspace(q.device, num_q_heads, num_kv_heads, head_dim, batch,
-                                      block_table.shape[1] * block_size, window)
+                                      block_table.shape[1] * block_size, window, kv_int8)
+    workspace.check_cache(kv_int8)
     plan = workspace.check_call(batch, num_q_heads, num_kv_heads, head_dim, block_table.shape[1], block_size,
                                 q.device, window=window)
     scale = head_dim ** -0.5 if scale is None else float(scale)

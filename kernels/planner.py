@@ -53,11 +53,15 @@ def split_plan(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, n
     """The plan of a call of ``batch`` sequences of at most ``max_seq_len`` tokens on ``num_sms`` SMs.
     A block serves up to HEADS_PER_BLOCK query heads of one KV head, so the work items are
     ``batch * num_kv_heads * ceil(group / HEADS_PER_BLOCK)``."""
+    return _plan(batch, work_heads(num_q_heads, num_kv_heads), num_sms, max_seq_len, MAX_SPLITS,
+                 wide_warps(num_q_heads, num_kv_heads, head_dim))
+
+
+def work_heads(num_q_heads: int, num_kv_heads: int) -> int:
+    """Thread blocks per sequence and split: one per KV head and HEADS_PER_BLOCK of its query heads."""
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    work_heads = num_kv_heads * -(-(num_q_heads // num_kv_heads) // HEADS_PER_BLOCK)
-    return _plan(batch, work_heads, num_sms, max_seq_len, MAX_SPLITS,
-                 wide_warps(num_q_heads, num_kv_heads, head_dim))
+    return num_kv_heads * -(-(num_q_heads // num_kv_heads) // HEADS_PER_BLOCK)
 
 
 def _plan(batch, num_kv_heads, num_sms, max_seq_len, cap, three_per_sm) -> Plan:

@@ -93,6 +93,7 @@ def reference_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, 
         num_splits = max_splits_for(attended_span(int(seq_lens.max()), window))
     else:
         _, num_kv_heads, block_size, head_dim = k_cache.shape
+        workspace.check_cache(k_cache.dtype == torch.int8)
         num_splits = workspace.check_call(q.shape[0], q.shape[1], num_kv_heads, q.shape[2], block_table.shape[1],
                                           block_size, q.device, window=window).num_splits
     return split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, scale=scale, window=window,

@@ -13,6 +13,12 @@ batch for each window in ``windows`` (Gemma 3's local and global layers share on
 every plan is fixed at construction, as graph replay needs). A window at least ``max_seq_len``
 long is global attention and uses the global plan.
 
+An int8 cache at head_dim 256 (``kv_int8``) doubles a plan whose blocks fill at most one wave of
+one block per SM: its consumers convert 256 codes a row, so a second block per SM pays (on an H100,
+4/1/256: B = 8 with 32k cached 114 -> 80 us, B = 64 with 4k 114 -> 77 us and with 32k 857 -> 520
+us; unchanged where the plan already fills the SMs or the splits are capped). A workspace serves
+the caches it was planned for (``check_cache``).
+
 ``split_scale`` multiplies every planned split count (at most ``max_splits``; the three-per-SM
 plan becomes a plain one): an A/B knob for measuring other plans (``benchmarks.kernel_bench``),
 1 in the product.
@@ -20,7 +26,9 @@ plan becomes a plain one): an A/B knob for measuring other plans (``benchmarks.k
 
 import torch
 
-from .planner import Plan, max_splits_for, split_plan
+from .planner import Plan, max_splits_for, split_plan, work_heads
+
+INT8_WIDE_HEAD_DIM = 256    # int8 caches of this head_dim plan two blocks per SM where bf16 plans one
 from .window import check_window
 
 
@@ -32,7 +40,7 @@ def device_sm_count(device: torch.device) -> int:
 
 class Workspace:
     def __init__(self, max_batch: int, num_q_heads: int, head_dim: int, max_seq_len: int, device,
-                 num_kv_heads: int, windows=(), split_scale: int = 1):
+                 num_kv_heads: int, windows=(), split_scale: int = 1, kv_int8: bool = False):
         if max_batch < 1 or num_q_heads < 1 or num_kv_heads < 1 or head_dim < 1 or max_seq_len < 1:
             raise ValueError("max_batch, num_q_heads, num_kv_heads, head_dim and max_seq_len must be positive")
         if num_q_heads % num_kv_heads:
@@ -49,8 +57,14 @@ class Workspace:
         if split_scale < 1:
             raise ValueError(f"split_scale must be positive, got {split_scale}")
 
+        self.kv_int8 = bool(kv_int8)
+
         def planned(batch, span):
             plan = split_plan(batch, num_q_heads, num_kv_heads, head_dim, self.num_sms, span)
+            if self.kv_int8 and head_dim == INT8_WIDE_HEAD_DIM and not plan.three_per_sm:
+                blocks = batch * work_heads(num_q_heads, num_kv_heads) * plan.num_splits
+                if blocks <= self.num_sms:
+                    plan = Plan(min(plan.num_splits * 2, max_splits_for(span)))
             return plan if split_scale == 1 else Plan(min(plan.num_splits * split_scale, self.max_splits))
         self._plans = {span: [Plan(1)] + [planned(b, span) for b in range(1, max_batch + 1)]
                        for span in (max_seq_len, *self.windows)}
@@ -77,6 +91,12 @@ class Workspace:
 
     def num_splits(self, batch: int, window: int | None = None) -> int:
         return self.plan(batch, window).num_splits
+
+    def check_cache(self, kv_int8: bool) -> None:
+        """Refuses, naming both, caches of another kind than the workspace was planned for."""
+        if bool(kv_int8) != self.kv_int8:
+            ours, call = ("int8" if x else "bf16/fp16" for x in (self.kv_int8, kv_int8))
+            raise ValueError(f"the workspace was planned for {ours} caches, this call has {call} caches")
 
     def check_call(self, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_blocks: int,
                    block_size: int, device, window: int | None = None) -> Plan:

@@ -86,3 +86,52 @@ def test_the_shared_constants_reach_the_compiler_once_each():
     assert nvcc_defines() == expected
     assert len({d.split("=")[0] for d in expected}) == len(expected)
     assert planner.MAX_SPLITS <= constants.MAX_SPLITS
+
+
+@pytest.fixture
+def hopper_sms(monkeypatch):
+    """Workspaces on the CPU planned as on a 132-SM GPU."""
+    from kernels import workspace
+    monkeypatch.setattr(workspace, "device_sm_count", lambda device: H200_SMS)
+
+
+@pytest.mark.parametrize("batch,max_len,bf16_splits,int8_splits", [
+    (8, 32768, 16, 32),     # 128 blocks of 132: doubled (H100: 114 -> 80 us)
+    (64, 4096, 2, 4),       # 128 blocks (114 -> 77 us)
+    (64, 32768, 2, 4),      # (857 -> 520 us)
+    (256, 4096, 1, 1),      # 256 blocks already two per SM: doubling lost (262 -> 277 us)
+    (1, 32768, 128, 128),   # capped: the workspace plans at most max_splits_for(max_len)
+])
+def test_int8_caches_at_head_dim_256_plan_two_blocks_per_sm(hopper_sms, batch, max_len, bf16_splits, int8_splits):
+    from kernels import Workspace
+    bf16 = Workspace(batch, 4, 256, max_len, "cpu", num_kv_heads=1)
+    int8 = Workspace(batch, 4, 256, max_len, "cpu", num_kv_heads=1, kv_int8=True)
+    assert (bf16.num_splits(batch), int8.num_splits(batch)) == (bf16_splits, int8_splits)
+    assert int8.capacity_rows >= batch * int8_splits
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])
+def test_int8_caches_at_other_head_dims_keep_the_bf16_plan(hopper_sms, shape):
+    from kernels import Workspace
+    num_q, num_kv, dim = shape
+    for batch, max_len in ((1, 32768), (8, 4096), (64, 32768), (256, 4096)):
+        bf16 = Workspace(batch, num_q, dim, max_len, "cpu", num_kv_heads=num_kv)
+        int8 = Workspace(batch, num_q, dim, max_len, "cpu", num_kv_heads=num_kv, kv_int8=True)
+        assert int8.plan(batch) == bf16.plan(batch), (shape, batch, max_len)
+
+
+def test_a_workspace_refuses_caches_of_the_other_kind():
+    import torch
+    import kernels
+    from kernels.kv_quant import quantize_rows
+    ws = kernels.Workspace(2, 4, 64, 256, "cpu", num_kv_heads=2)
+    q = torch.randn(2, 4, 64)
+    k = torch.randn(4, 2, 32, 64)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([40, 64], dtype=torch.int32)
+    k8, k_scale = quantize_rows(k)
+    with pytest.raises(ValueError, match="planned for bf16/fp16 caches, this call has int8"):
+        kernels.flash_decode(q, k8, k8, table, lens, workspace=ws, k_scale=k_scale, v_scale=k_scale)
+    ws8 = kernels.Workspace(2, 4, 64, 256, "cpu", num_kv_heads=2, kv_int8=True)
+    with pytest.raises(ValueError, match="planned for int8 caches, this call has bf16/fp16"):
+        kernels.flash_decode(q, k, k, table, lens, workspace=ws8)

@@ -76,7 +76,8 @@ class ModelRunner:
             from kernels import ops
             ops.load(self.device)              # build before any capture traces the op
         self.workspace = kernels.Workspace(self.max_batch, self.num_q_heads, self.head_dim, max_model_len,
-                                           self.device, num_kv_heads=self.num_kv_heads, windows=layer_windows(cfg))
+                                           self.device, num_kv_heads=self.num_kv_heads, windows=layer_windows(cfg),
+                                           kv_int8=self.kv_dtype == INT8)
         self.num_blocks = config.num_blocks or self._blocks_from_memory(config)
         shape = kernels.cache_shape(self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),

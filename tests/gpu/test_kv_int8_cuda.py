@@ -73,7 +73,7 @@ def check_int8(lengths, num_q, num_kv, head_dim, block_size, dtype, workspace=No
     scale = head_dim ** -0.5
     if workspace is None:
         workspace = kernels.Workspace(batch, num_q, head_dim, table.shape[1] * block_size, DEVICE,
-                                      num_kv_heads=num_kv, windows=(window,))
+                                      num_kv_heads=num_kv, windows=(window,), kv_int8=True)
     poison(workspace, q.shape, dtype)
     out = kernels.flash_decode(q, k8, v8, table, seq_lens, scale=scale, workspace=workspace, window=window,
                                k_scale=ks, v_scale=vs)
@@ -109,7 +109,7 @@ def test_int8_sliding_window_matches_float64(dtype, head_dim, block_size, window
 def test_int8_every_launch_plan(case, fresh_seed):
     (num_q, num_kv, dim), batch, max_len = PLAN_CASES[case]
     lengths = ([max_len, 1, max(1, max_len // 3)] + torch.randint(1, max_len + 1, (batch,)).tolist())[:batch]
-    ws = kernels.Workspace(batch, num_q, dim, max_len, DEVICE, num_kv_heads=num_kv)
+    ws = kernels.Workspace(batch, num_q, dim, max_len, DEVICE, num_kv_heads=num_kv, kv_int8=True)
     check_int8(lengths, num_q, num_kv, dim, 32, torch.bfloat16, workspace=ws, seed=fresh_seed)
 
 
@@ -174,7 +174,7 @@ def test_int8_three_blocks_per_sm_and_graph_replay(shape, fresh_seed):
     batch = 3 * torch.cuda.get_device_properties(DEVICE).multi_processor_count // (2 * num_kv)
     lengths = [1, 130, 4096] + torch.randint(1, 4097, (batch - 3,)).tolist()
     k8, v8, ks, vs, kd, vd, table, seq_lens = int8_paged(lengths, num_kv, dim, 32, table_blocks=4096 // 32)
-    ws = kernels.Workspace(batch, num_q, dim, 4096, DEVICE, num_kv_heads=num_kv)
+    ws = kernels.Workspace(batch, num_q, dim, 4096, DEVICE, num_kv_heads=num_kv, kv_int8=True)
     assert ws.plan(batch) == kernels.Plan(2, three_per_sm=True)
     q = torch.randn(batch, num_q, dim, device=DEVICE, dtype=torch.bfloat16)
     poison(ws, q.shape, q.dtype)
@@ -196,7 +196,7 @@ def test_int8_graph_replay_with_the_quantising_write(case, fresh_seed):
     bs = 16
     k8, v8, ks, vs, _, _, table, seq_lens = int8_paged([max_len] * batch, num_kv, dim, bs,
                                                        table_blocks=-(-max_len // bs))
-    ws = kernels.Workspace(batch, num_q, dim, max_len, DEVICE, num_kv_heads=num_kv)
+    ws = kernels.Workspace(batch, num_q, dim, max_len, DEVICE, num_kv_heads=num_kv, kv_int8=True)
     q = torch.randn(batch, num_q, dim, device=DEVICE, dtype=torch.bfloat16)
     key = torch.randn(batch, num_kv, dim, device=DEVICE, dtype=torch.bfloat16)
     value = torch.randn_like(key)
