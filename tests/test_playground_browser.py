@@ -155,7 +155,9 @@ def test_a_question_streams_an_answer_with_its_numbers(live_server, page_on):
     answer = ask(page, QUESTION)
     assert "Paris" in answer["text"], answer
     paints = [text.strip() for text in page.evaluate("window.__paints")]
-    assert len(paints) >= 3 and all(b.startswith(a) for a, b in zip(paints, paints[1:])), paints
+    # streamed: more than one text, each growing the one before (a busy host delivers several
+    # tokens in one read, so how many texts there are is not the page's to choose)
+    assert len(paints) >= 2 and all(b.startswith(a) and b != a for a, b in zip(paints, paints[1:])), paints
     stats = answer["stats"]
     assert re.search(r"TTFT \d+(\.\d+)? m?s", stats) and re.search(r"\d+\.\d tok/s", stats), stats
     assert re.search(r"prompt \d+ \(\d+ cached\)", stats) and "finish: stop" in stats, stats
