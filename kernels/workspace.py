@@ -27,9 +27,9 @@ plan becomes a plain one): an A/B knob for measuring other plans (``benchmarks.k
 import torch
 
 from .planner import Plan, max_splits_for, split_plan, work_heads
+from .window import check_window
 
 INT8_WIDE_HEAD_DIM = 256    # int8 caches of this head_dim plan two blocks per SM where bf16 plans one
-from .window import check_window
 
 
 def device_sm_count(device: torch.device) -> int:
