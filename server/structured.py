@@ -22,6 +22,18 @@ def _schema_text(schema, param: str) -> str:
     return json.dumps(schema, ensure_ascii=False)
 
 
+def _field_spec(field: str, value, param: str) -> GrammarSpec:
+    """The grammar of one of vLLM's structured-output fields (json, regex, choice, grammar,
+    structural_tag) holding ``value``."""
+    if field == "json":
+        return GrammarSpec("json_schema", _schema_text(value, param))
+    if field == "choice":
+        return GrammarSpec("ebnf", choice_ebnf(value))
+    if field == "grammar":
+        return GrammarSpec("ebnf", value)
+    return GrammarSpec(field, value)                                  # regex, structural_tag
+
+
 def openai_grammar(body) -> tuple[GrammarSpec, str] | None:
     """The constraint an OpenAI request asks for and the field that asked, or None; 400 when it
     asks for several."""
@@ -37,27 +49,16 @@ def openai_grammar(body) -> tuple[GrammarSpec, str] | None:
         raise ApiError(400, "give exactly one of json, regex, choice, grammar, json_object, structural_tag in "
                             f"structured_outputs (got {', '.join(so.given()) or 'none'})", param="structured_outputs")
     if so is not None:
-        if so.json_ is not None:
-            found.append((GrammarSpec("json_schema", _schema_text(so.json_, "structured_outputs.json")),
-                          "structured_outputs.json"))
-        elif so.regex is not None:
-            found.append((GrammarSpec("regex", so.regex), "structured_outputs.regex"))
-        elif so.choice is not None:
-            found.append((GrammarSpec("ebnf", choice_ebnf(so.choice)), "structured_outputs.choice"))
-        elif so.grammar is not None:
-            found.append((GrammarSpec("ebnf", so.grammar), "structured_outputs.grammar"))
-        elif so.structural_tag is not None:
-            found.append((GrammarSpec("structural_tag", so.structural_tag), "structured_outputs.structural_tag"))
+        given = so.given()[0]
+        param = f"structured_outputs.{given}"
+        if given == "json_object":
+            found.append((GrammarSpec("json_object"), param))
         else:
-            found.append((GrammarSpec("json_object"), "structured_outputs.json_object"))
-    if body.guided_json is not None:
-        found.append((GrammarSpec("json_schema", _schema_text(body.guided_json, "guided_json")), "guided_json"))
-    if body.guided_regex is not None:
-        found.append((GrammarSpec("regex", body.guided_regex), "guided_regex"))
-    if body.guided_choice is not None:
-        found.append((GrammarSpec("ebnf", choice_ebnf(body.guided_choice)), "guided_choice"))
-    if body.guided_grammar is not None:
-        found.append((GrammarSpec("ebnf", body.guided_grammar), "guided_grammar"))
+            found.append((_field_spec(given, getattr(so, "json_" if given == "json" else given), param), param))
+    for field in ("json", "regex", "choice", "grammar"):            # vLLM's older guided_* spellings
+        value = getattr(body, f"guided_{field}")
+        if value is not None:
+            found.append((_field_spec(field, value, f"guided_{field}"), f"guided_{field}"))
     if len(found) > 1:
         raise ApiError(400, "give one structured-output constraint, not several: "
                             + ", ".join(param for _, param in found), param=found[1][1])
