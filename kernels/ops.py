@@ -12,7 +12,7 @@ import torch
 
 from . import build
 from .constants import HEAD_DIMS
-from .kv_quant import INT8, check_kv_scales
+from .kv_quant import INT8, check_kv_scales, is_int8
 from .paging import SUPPORTED_BLOCK_SIZE_RULE, supported_block_size
 from .window import check_window
 from .workspace import Workspace
@@ -167,7 +167,7 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     batch, num_q_heads, num_kv_heads, head_dim, block_size = _validate_decode(q, k_cache, v_cache, block_table,
                                                                                seq_lens, k_scale, v_scale)
     load(q.device)
-    kv_int8 = k_cache.dtype == torch.int8
+    kv_int8 = is_int8(k_cache)
     if workspace is None:
         workspace = default_workspace(q.device, num_q_heads, num_kv_heads, head_dim, batch,
                                       block_table.shape[1] * block_size, window, kv_int8)

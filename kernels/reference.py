@@ -8,7 +8,7 @@ dequantised with their row scales (``kv_quant``) as they are read.
 
 import torch
 
-from .kv_quant import check_kv_scales, dequantize_rows, quantize_rows
+from .kv_quant import check_kv_scales, dequantize_rows, is_int8, quantize_rows
 from .planner import max_splits_for
 from .window import attended_span, check_window, window_starts
 
@@ -93,7 +93,7 @@ def reference_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, 
         num_splits = max_splits_for(attended_span(int(seq_lens.max()), window))
     else:
         _, num_kv_heads, block_size, head_dim = k_cache.shape
-        workspace.check_cache(k_cache.dtype == torch.int8)
+        workspace.check_cache(is_int8(k_cache))
         num_splits = workspace.check_call(q.shape[0], q.shape[1], num_kv_heads, q.shape[2], block_table.shape[1],
                                           block_size, q.device, window=window).num_splits
     return split_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits, scale=scale, window=window,

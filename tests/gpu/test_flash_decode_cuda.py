@@ -98,9 +98,10 @@ def plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale, window=None
 
 def assert_accurate(outs, q, k_cache, v_cache, table, seq_lens, scale, context="", window=None):
     """The criterion of every test here, for outputs of the same inputs: finite, and their error
-    against float64 attention at most twice plain low-precision attention's."""
+    against float64 attention at most twice plain attention's in q's dtype over the same cache
+    (for an int8 cache: the dequantised float32 one, NaN past each end)."""
     ref = oracle(q, k_cache, v_cache, table, seq_lens, scale, window)
-    plain = plain_low_precision(q, k_cache, v_cache, table, seq_lens, scale, window)
+    plain = plain_low_precision(q, k_cache.to(q.dtype), v_cache.to(q.dtype), table, seq_lens, scale, window)
     plain_err = (plain.double() - ref).abs().max().item()
     for out in outs:
         err = (out.double() - ref).abs().max().item()
@@ -123,18 +124,28 @@ def check_against_oracle(lengths, num_q, num_kv, head_dim, block_size, dtype, wo
     table_blocks = None if workspace is None else -(-workspace.max_seq_len // block_size)
     k_cache, v_cache, table, seq_lens = make_paged(lengths, num_kv, head_dim, block_size, dtype,
                                                    table_blocks=table_blocks)
-    batch = len(lengths)
+    return decode_and_check((k_cache, v_cache), table, seq_lens, num_q, dtype, workspace, window,
+                            f"seed={seed} lengths={lengths[:8]}...")
+
+
+def decode_and_check(caches, table, seq_lens, num_q, dtype, workspace, window, context, oracle_caches=None,
+                     k_scale=None, v_scale=None):
+    """One decode call over ``caches`` (int8 with ``k_scale``/``v_scale``) on fresh queries and a
+    poisoned workspace, checked with ``assert_accurate`` against ``oracle_caches`` (default: the
+    caches themselves)."""
+    num_kv, block_size, head_dim = caches[0].shape[1:]
+    batch = table.shape[0]
     q = torch.randn(batch, num_q, head_dim, device=DEVICE, dtype=dtype)
     scale = head_dim ** -0.5
     if workspace is None:
         workspace = kernels.Workspace(batch, num_q, head_dim, table.shape[1] * block_size, DEVICE,
-                                      num_kv_heads=num_kv, windows=(window,))
+                                      num_kv_heads=num_kv, windows=(window,), kv_int8=k_scale is not None)
     poison(workspace, q.shape, dtype)
-    out = kernels.flash_decode(q, k_cache, v_cache, table, seq_lens, scale=scale, workspace=workspace, window=window)
+    out = kernels.flash_decode(q, *caches, table, seq_lens, scale=scale, workspace=workspace, window=window,
+                               k_scale=k_scale, v_scale=v_scale)
     assert out.shape == q.shape and out.dtype == dtype
-    assert_accurate([out], q, k_cache, v_cache, table, seq_lens, scale,
-                    f"seed={seed} lengths={lengths[:8]}... window={window} plan={workspace.plan(batch, window)}",
-                    window)
+    assert_accurate([out], q, *(oracle_caches or caches), table, seq_lens, scale,
+                    f"{context} window={window} plan={workspace.plan(batch, window)}", window)
     return out
 
 

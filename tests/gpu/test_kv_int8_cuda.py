@@ -18,9 +18,9 @@ from kernels import layer_ops, ops
 from kernels.kv_quant import INT8, SCALE_DTYPE, dequantize_rows, new_scales, quantize_rows
 from kernels.paging import DEFAULT_BLOCK_SIZE
 
-from .test_flash_decode_cuda import (BLOCK_SIZES, DEVICE, PLAN_CASES, REPLAY_CASES, assert_replay_equals_eager,  # noqa: F401
-                                     fresh_seed, make_paged, new_decode_rows, oracle, plain_low_precision,
-                                     poison)
+from .test_flash_decode_cuda import (BLOCK_SIZES, DEVICE, PLAN_CASES, REPLAY_CASES, assert_accurate,  # noqa: F401
+                                     assert_replay_equals_eager, decode_and_check, fresh_seed, make_paged,
+                                     new_decode_rows, poison)
 from .test_layer_ops_cuda import rotary_table
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -50,38 +50,12 @@ def int8_paged(lengths, num_kv, head_dim, block_size, table_blocks=None, codes=N
     return k8, v8, ks, vs, kd, vd, table, seq_lens
 
 
-def assert_accurate(outs, q, k_deq, v_deq, table, seq_lens, scale, context="", window=None):
-    """Finite, and the error against float64 attention over the dequantised cache (float32,
-    NaN past each end) at most twice that of plain attention in q's dtype over it (over the last
-    ``window`` positions where there is one)."""
-    ref = oracle(q, k_deq, v_deq, table, seq_lens, scale, window)
-    plain = plain_low_precision(q, k_deq.to(q.dtype), v_deq.to(q.dtype), table, seq_lens, scale, window)
-    plain_err = (plain.double() - ref).abs().max().item()
-    for out in outs:
-        err = (out.double() - ref).abs().max().item()
-        info = f"{context} err={err:.3g} plain={plain_err:.3g}"
-        assert torch.isfinite(out).all(), "NaN/inf in output: " + info
-        assert err <= 2 * plain_err + 1e-6, info
-
-
 def check_int8(lengths, num_q, num_kv, head_dim, block_size, dtype, workspace=None, seed=None, codes=None,
                window=None):
     table_blocks = None if workspace is None else -(-workspace.max_seq_len // block_size)
     k8, v8, ks, vs, kd, vd, table, seq_lens = int8_paged(lengths, num_kv, head_dim, block_size, table_blocks, codes)
-    batch = len(lengths)
-    q = torch.randn(batch, num_q, head_dim, device=DEVICE, dtype=dtype)
-    scale = head_dim ** -0.5
-    if workspace is None:
-        workspace = kernels.Workspace(batch, num_q, head_dim, table.shape[1] * block_size, DEVICE,
-                                      num_kv_heads=num_kv, windows=(window,), kv_int8=True)
-    poison(workspace, q.shape, dtype)
-    out = kernels.flash_decode(q, k8, v8, table, seq_lens, scale=scale, workspace=workspace, window=window,
-                               k_scale=ks, v_scale=vs)
-    assert out.shape == q.shape and out.dtype == dtype
-    assert_accurate([out], q, kd, vd, table, seq_lens, scale,
-                    f"int8 seed={seed} window={window} lengths={lengths[:8]}... plan={workspace.plan(batch, window)}",
-                    window)
-    return out
+    return decode_and_check((k8, v8), table, seq_lens, num_q, dtype, workspace, window,
+                            f"int8 seed={seed} lengths={lengths[:8]}...", oracle_caches=(kd, vd), k_scale=ks, v_scale=vs)
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
