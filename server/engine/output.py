@@ -12,7 +12,7 @@ which ends the request here too (until then its id counts as in flight).
 import dataclasses
 import time
 
-from .detokenizer import IncrementalDetokenizer, StopMatcher, step_all
+from .detokenizer import IncrementalDetokenizer, StopMatcher
 from .params import FinishEvent, SamplingParams, TokenEvent
 
 
@@ -71,24 +71,13 @@ class OutputProcessor:
                     out.append((request_id, dataclasses.replace(event, text=state.text)))
         return out, stopped
 
-    def _detokenize(self, pairs, states) -> list[str]:
-        """The text delta of each token event in ``pairs``, in batched decode calls (one per
-        round, should a request have several tokens in one step)."""
-        deltas = [""] * len(pairs)
-        todo = [i for i, ((_, event), state) in enumerate(zip(pairs, states))
-                if state is not None and type(event) is TokenEvent and not state.stopped
-                and not event.special]                     # special tokens print nothing
-        while todo:
-            seen, batch, later = set(), [], []
-            for i in todo:
-                (later if id(states[i]) in seen else batch).append(i)
-                seen.add(id(states[i]))
-            texts = step_all([states[i].detokenizer for i in batch], [pairs[i][1].token_id for i in batch],
-                             self.tokenizer)
-            for i, text in zip(batch, texts):
-                deltas[i] = text
-            todo = later
-        return deltas
+    @staticmethod
+    def _detokenize(pairs, states) -> list[str]:
+        """The text delta of each token event in ``pairs``, in order (a request may have several
+        tokens in one step); special tokens print nothing."""
+        return [state.detokenizer.step(event.token_id)
+                if state is not None and type(event) is TokenEvent and not state.stopped and not event.special
+                else "" for (_, event), state in zip(pairs, states)]
 
     @staticmethod
     def _token(state: RequestText, event: TokenEvent, delta: str) -> None:
