@@ -5,14 +5,15 @@ tensors; both compute the same split-KV algorithm (see ``reference.py`` and ``cs
 """
 
 from .paging import cache_shape, pack_paged
-from .planner import Plan, split_plan
+from .planner import Plan, prefill_plan, split_plan
+from .prefill import reference_prefill
 from .reference import reference_decode, reference_read_kv, reference_write_kv
 from .window import check_window
-from .workspace import Workspace
+from .workspace import PrefillWorkspace, Workspace
 
-__all__ = ["flash_decode", "write_kv", "read_kv", "reference_decode", "reference_write_kv", "reference_read_kv",
-           "pack_paged",
-           "cache_shape", "Workspace", "Plan", "split_plan", "check_window"]
+__all__ = ["flash_decode", "flash_prefill", "write_kv", "read_kv", "reference_decode", "reference_prefill",
+           "reference_write_kv", "reference_read_kv", "pack_paged", "cache_shape", "Workspace", "PrefillWorkspace",
+           "Plan", "split_plan", "prefill_plan", "check_window"]
 
 
 def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True,
@@ -48,6 +49,30 @@ def flash_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, work
                                      v_scale=v_scale)
     return reference_decode(q, k_cache, v_cache, block_table, seq_lens, scale=scale, workspace=workspace,
                             window=window, k_scale=k_scale, v_scale=v_scale)
+
+
+def flash_prefill(q, k_cache, v_cache, block_table, cu_query_starts, seq_lens, *, scale=None, window=None,
+                  k_scale=None, v_scale=None, workspace=None):
+    """Attention of new query rows over their sequences' paged KV cache (a prefill after a cached
+    prefix, or a later chunk of a long prompt), causal within the new rows.
+
+    q [T, Hq, D]: the new rows of B sequences packed, sequence i's at rows
+    ``cu_query_starts[i]:cu_query_starts[i + 1]`` (int32 [B + 1], from 0 to T; a sequence may
+    have none), the last of its ``seq_lens[i]`` (int32 [B]) positions, their keys and values
+    already written to the caches (``write_kv``). block_table [B, max_blocks] int32. A row at
+    position p attends to positions ``<= p``; with ``window=W`` to ``p - W < pos <= p``. Returns
+    [T, Hq, D] in q's dtype. Caches, int8 row scales and their checks as in ``flash_decode``.
+
+    ``workspace`` (``PrefillWorkspace``) holds the split buffers; the split count is planned from
+    T, B and the workspace (``planner.prefill_plan``), never from lengths on the device, so calls
+    capture into CUDA graphs. Without one a default workspace is kept per head layout (CUDA).
+    """
+    if q.is_cuda:
+        from . import ops
+        return ops.flash_prefill_cuda(q, k_cache, v_cache, block_table, cu_query_starts, seq_lens, scale=scale,
+                                      window=window, k_scale=k_scale, v_scale=v_scale, workspace=workspace)
+    return reference_prefill(q, k_cache, v_cache, block_table, cu_query_starts, seq_lens, scale=scale, window=window,
+                             k_scale=k_scale, v_scale=v_scale, workspace=workspace)
 
 
 def write_kv(k_cache, v_cache, key, value, slot_mapping, k_scale=None, v_scale=None):

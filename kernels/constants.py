@@ -16,9 +16,11 @@ BLOCKS_PER_SM = 2           # split blocks resident per SM (rings of three 32 KB
 WIDE_BLOCKS_PER_SM = 3      # ... in the three-per-SM plan (four-warp blocks, rings of two stages)
 BLOCK_SIZE_GRANULE = 16     # a cache block holds a multiple of this many tokens ...
 BLOCK_SIZE_PERIOD = 128     # ... and divides, or is a multiple of, this many (the largest tile)
+PREFILL_ROWS = 64           # query rows (new token, query head of the group) one prefill block serves
+PREFILL_TILE = 64           # KV tokens per prefill pipeline stage
 
 SHARED = ("HEAD_DIMS", "WIDE_WARP_HEAD_DIM", "HEADS_PER_BLOCK", "MAX_SPLITS", "MIN_CHUNK", "TILE_ELEMENTS", "WIDE_WARP_MAX_GROUP", "BLOCKS_PER_SM",
-          "WIDE_BLOCKS_PER_SM", "BLOCK_SIZE_GRANULE", "BLOCK_SIZE_PERIOD")
+          "WIDE_BLOCKS_PER_SM", "BLOCK_SIZE_GRANULE", "BLOCK_SIZE_PERIOD", "PREFILL_ROWS", "PREFILL_TILE")
 
 
 def tile_tokens(head_dim: int) -> int:

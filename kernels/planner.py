@@ -10,14 +10,15 @@ own length evenly among those splits on the device; splits that start past its e
 
 from dataclasses import dataclass
 
-from .constants import (BLOCKS_PER_SM, HEADS_PER_BLOCK, MIN_CHUNK, WIDE_BLOCKS_PER_SM, WIDE_WARP_HEAD_DIM,
-                        WIDE_WARP_MAX_GROUP)
+from .constants import (BLOCKS_PER_SM, HEADS_PER_BLOCK, MIN_CHUNK, PREFILL_ROWS, WIDE_BLOCKS_PER_SM,
+                        WIDE_WARP_HEAD_DIM, WIDE_WARP_MAX_GROUP)
 
 MAX_SPLITS = 128        # a workspace plans at most this many splits (the kernel takes up to constants.MAX_SPLITS)
 FILL = 0.95             # a plan must keep at least this share of the block slots busy
 ONE_WAVE_FILL = 0.9     # ... or of the SMs, for one block per SM (spread: no SM doubles up)
 TAIL_MIN_CHUNK = 8192   # splitting only to even out the last wave pays where splits keep this many tokens
 THREE_PER_SM_MIN_LEN = 4096  # the three-per-SM plan pays for sequences this long (measured at 4096; at 512 it lost)
+PREFILL_MAX_SPLITS = 64      # a prefill plan's cap (not yet measured: docs/prefill-kernel.md)
 
 
 @dataclass(frozen=True)
@@ -88,3 +89,31 @@ def _plan(batch, num_kv_heads, num_sms, max_seq_len, cap, three_per_sm) -> Plan:
             and 2 * work_items <= wide_slots and wave_fill(2 * work_items, wide_slots) >= FILL):
         return Plan(2, three_per_sm=True)
     return Plan(1)
+
+
+def prefill_row_tiles(num_rows: int, batch: int, num_q_heads: int, num_kv_heads: int) -> int:
+    """Upper bound of the prefill kernel's row tiles per KV head (its grid's z): a sequence of n new
+    tokens has ``n * group`` query rows in ``ceil(n * group / PREFILL_ROWS)`` tiles, so ``num_rows``
+    tokens over ``batch`` sequences take at most ``ceil(num_rows * group / PREFILL_ROWS) + batch``."""
+    group = num_q_heads // num_kv_heads
+    return -(-num_rows * group // PREFILL_ROWS) + batch
+
+
+def prefill_plan(num_rows: int, batch: int, num_q_heads: int, num_kv_heads: int, num_sms: int,
+                 max_seq_len: int, window: int | None = None) -> Plan:
+    """Splits of a prefill call of ``num_rows`` new tokens over ``batch`` sequences of at most
+    ``max_seq_len`` tokens (cached + new), from host-known numbers only (a captured graph replays
+    it). Work items are ``num_kv_heads`` times the fewest row tiles the call can have,
+    ``max(min(batch, num_rows), ceil(num_rows * group / PREFILL_ROWS))`` (sequences may be empty); the splits are as many as fill one wave
+    of BLOCKS_PER_SM blocks per SM, at most PREFILL_MAX_SPLITS and never below MIN_CHUNK tokens
+    of the span a row tile attends to (a window's ``window + PREFILL_ROWS``, else the sequence)."""
+    if num_rows < 1 or batch < 1 or num_sms < 1 or max_seq_len < 1:
+        raise ValueError(f"prefill_plan needs positive sizes, got num_rows {num_rows}, batch {batch}, "
+                         f"num_sms {num_sms}, max_seq_len {max_seq_len}")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    work_items = num_kv_heads * max(min(batch, num_rows), -(-num_rows * group // PREFILL_ROWS))
+    span = max_seq_len if window is None else min(max_seq_len, window + PREFILL_ROWS)
+    splits = BLOCKS_PER_SM * num_sms // work_items
+    return Plan(max(1, min(splits, PREFILL_MAX_SPLITS, max_splits_for(span))))

@@ -26,7 +26,7 @@ plan becomes a plain one): an A/B knob for measuring other plans (``benchmarks.k
 
 import torch
 
-from .planner import Plan, max_splits_for, split_plan, work_heads
+from .planner import Plan, max_splits_for, prefill_plan, split_plan, work_heads
 from .window import check_window
 
 INT8_WIDE_HEAD_DIM = 256    # int8 caches of this head_dim plan two blocks per SM where bf16 plans one
@@ -115,3 +115,73 @@ class Workspace:
         if torch.device(device) != self.device:
             raise ValueError(f"the workspace is on {self.device}, this call on {device}")
         return self.plan(batch, window)
+
+
+class PrefillWorkspace:
+    """The split buffers of ``flash_prefill`` calls of up to ``max_rows`` new tokens (all
+    sequences together), allocated once: partial outputs and LSEs per (new token, split, query
+    head), as many rows as the largest ``num_rows * num_splits`` any planned call needs
+    (``planner.prefill_plan``; a call of one split writes its output directly). The plan of a call
+    is a pure function of its token count, batch and window, so a graph captured for one shape
+    replays it; a workspace serves its own head layout, head_dim, longest sequence and windows
+    (``check_call``), refusing others naming both values."""
+
+    def __init__(self, max_rows: int, num_q_heads: int, head_dim: int, max_seq_len: int, device,
+                 num_kv_heads: int, windows=()):
+        if max_rows < 1 or num_q_heads < 1 or num_kv_heads < 1 or head_dim < 1 or max_seq_len < 1:
+            raise ValueError("max_rows, num_q_heads, num_kv_heads, head_dim and max_seq_len must be positive")
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        self.device = torch.device(device)
+        self.max_rows = max_rows
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.max_seq_len = max_seq_len
+        self.num_sms = device_sm_count(self.device)
+        self.windows = tuple(sorted({w for w in map(check_window, windows) if w is not None and w < max_seq_len}))
+        capacity = 0
+        for window in (None, *self.windows):
+            for rows in range(1, max_rows + 1):   # splits only fall as rows grow; one split needs no buffer
+                splits = self.plan(rows, 1, window).num_splits
+                if splits == 1:
+                    break
+                capacity = max(capacity, rows * splits)
+        self.capacity_rows = max(capacity, 1)
+        self.partial_out = torch.empty(self.capacity_rows, num_q_heads, head_dim, dtype=torch.float32,
+                                       device=self.device)
+        self.partial_lse = torch.empty(self.capacity_rows, num_q_heads, dtype=torch.float32, device=self.device)
+        self.device = self.partial_out.device
+
+    def serves_window(self, window: int | None) -> bool:
+        window = check_window(window)
+        return window is None or window >= self.max_seq_len or window in self.windows
+
+    def plan(self, num_rows: int, batch: int, window: int | None = None) -> Plan:
+        """The plan of a call of ``num_rows`` new tokens over ``batch`` sequences."""
+        if not 1 <= num_rows <= self.max_rows:
+            raise ValueError(f"the workspace was planned for up to {self.max_rows} new tokens, this call has "
+                             f"{num_rows}")
+        if not self.serves_window(window):
+            raise ValueError(f"the workspace was planned for windows {list(self.windows) or 'none'} (and global "
+                             f"attention), this call has window {window}")
+        window = None if window is None or window >= self.max_seq_len else window
+        return prefill_plan(num_rows, batch, self.num_q_heads, self.num_kv_heads, self.num_sms, self.max_seq_len,
+                            window)
+
+    def check_call(self, num_rows: int, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                   max_blocks: int, block_size: int, device, window: int | None = None) -> Plan:
+        """The plan of the call; refuses, naming both values, a call this workspace was not planned
+        for (``max_blocks * block_size``, the block table's reach, bounds its longest sequence)."""
+        for what, ours, call in (("num_kv_heads", self.num_kv_heads, num_kv_heads),
+                                 ("num_q_heads", self.num_q_heads, num_q_heads),
+                                 ("head_dim", self.head_dim, head_dim)):
+            if ours != call:
+                raise ValueError(f"the workspace was planned for {what} {ours}, this call has {what} {call}")
+        if max_blocks > -(-self.max_seq_len // block_size):
+            raise ValueError(f"the workspace was planned for sequences of up to {self.max_seq_len} tokens, this "
+                             f"call's block table reaches {max_blocks * block_size} ({max_blocks} blocks of "
+                             f"{block_size})")
+        if torch.device(device) != self.device:
+            raise ValueError(f"the workspace is on {self.device}, this call on {device}")
+        return self.plan(num_rows, batch, window)
