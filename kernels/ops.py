@@ -1,4 +1,5 @@
-"""The CUDA ops ``torch.ops.flashdecode.flash_decode`` / ``write_kv`` / ``read_kv`` and their Python entry points.
+"""The CUDA ops ``torch.ops.flashdecode.flash_decode`` / ``flash_prefill`` / ``write_kv`` / ``read_kv`` and their
+Python entry points.
 
 The ops are defined in ``csrc/binding.cpp`` (TORCH_LIBRARY) and built on first use
 (``build.py``); the fake kernels below let torch.compile trace them as single ops. The entry
@@ -14,14 +15,18 @@ from . import build
 from .constants import HEAD_DIMS
 from .kv_quant import INT8, check_kv_scales, is_int8
 from .paging import SUPPORTED_BLOCK_SIZE_RULE, supported_block_size
+from .planner import prefill_row_tiles
+from .prefill import check_prefill
 from .window import check_window
-from .workspace import Workspace
+from .workspace import PrefillWorkspace, Workspace
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 INT8_HEAD_DIMS = (32, 64, 128, 256)   # write_kv on int8 caches: a row's D / 8 threads share a warp
 
 _ready_devices: set[int] = set()
 _default_workspaces: dict[tuple, Workspace] = {}
+_default_prefill_workspaces: dict[tuple, PrefillWorkspace] = {}
+MAX_GRID_YZ = 65535   # CUDA's limit on a grid's y and z: the prefill's row tiles, and the merge's rows
 
 
 def load(device: torch.device | None = None) -> None:
@@ -46,6 +51,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("flashdecode::flash_decode")
     def _flash_decode_fake(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, three_per_sm,
                            partial_out, partial_lse, read_ahead=True, window=0, k_scale=None, v_scale=None):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("flashdecode::flash_prefill")
+    def _flash_prefill_fake(q, k_cache, v_cache, block_table, cu_query_starts, seq_lens, scale, num_splits, row_tiles,
+                            partial_out, partial_lse, window=0, k_scale=None, v_scale=None):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("flashdecode::write_kv")
@@ -179,6 +189,70 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
     return torch.ops.flashdecode.flash_decode(q, k_cache, v_cache, block_table, seq_lens, scale, plan.num_splits,
                                               plan.three_per_sm, workspace.partial_out, workspace.partial_lse,
                                               bool(read_ahead), window, k_scale, v_scale)
+
+
+def default_prefill_workspace(device, num_q_heads, num_kv_heads, head_dim, num_rows, max_seq_len,
+                              window=None) -> PrefillWorkspace:
+    """The prefill workspace kept for calls without one; grows (outside graph capture only)."""
+    key = (device, num_q_heads, num_kv_heads, head_dim)
+    ws = _default_prefill_workspaces.get(key)
+    if ws is not None and num_rows <= ws.max_rows and max_seq_len <= ws.max_seq_len and ws.serves_window(window):
+        return ws
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("flash_prefill needs a larger default workspace while a CUDA graph is being captured; "
+                           "pass workspace= or run one eager call of the largest shape first")
+    windows = () if window is None else (window,)
+    if ws is not None:
+        num_rows, max_seq_len = max(num_rows, ws.max_rows), max(max_seq_len, ws.max_seq_len)
+        windows += ws.windows
+    ws = PrefillWorkspace(num_rows, num_q_heads, head_dim, max_seq_len, device, num_kv_heads=num_kv_heads,
+                          windows=windows)
+    _default_prefill_workspaces[key] = ws
+    return ws
+
+
+def flash_prefill_cuda(q, k_cache, v_cache, block_table, cu_query_starts, seq_lens, *, scale=None, window=None,
+                       k_scale=None, v_scale=None, workspace=None):
+    """``kernels.flash_prefill`` for CUDA tensors; see ``kernels/__init__.py`` for the contract. Reads
+    no device data: the split count is the workspace's plan for q's rows and the batch."""
+    window = check_window(window)
+    batch, num_q_heads, num_kv_heads, head_dim, block_size = check_prefill(
+        q, k_cache, v_cache, block_table, cu_query_starts, seq_lens, k_scale, v_scale)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q must be bfloat16 or float16 on CUDA, got {q.dtype}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported by the CUDA kernel (supported: "
+                         f"{', '.join(map(str, HEAD_DIMS))})")
+    if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or _misaligned(q):
+        raise ValueError("q needs a contiguous last dim and 16-byte aligned rows (call q.contiguous())")
+    _check_cache(k_cache, v_cache, q.device)
+    if not supported_block_size(block_size):
+        raise ValueError(f"block_size {block_size} is not supported: {SUPPORTED_BLOCK_SIZE_RULE}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table needs a contiguous last dim")
+    if not (seq_lens.is_contiguous() and cu_query_starts.is_contiguous()):
+        raise ValueError("seq_lens and cu_query_starts must be contiguous")
+    num_rows = q.shape[0]
+    if num_rows == 0 or batch == 0:
+        return q.new_empty(q.shape)
+    row_tiles = prefill_row_tiles(num_rows, batch, num_q_heads, num_kv_heads)
+    if row_tiles > MAX_GRID_YZ:
+        raise ValueError(f"{num_rows} new rows over {batch} sequences make {row_tiles} row tiles per KV head, "
+                         f"more than the grid's {MAX_GRID_YZ}: split the call")
+    reach = block_table.shape[1] * block_size
+    load(q.device)
+    if workspace is None:
+        workspace = default_prefill_workspace(q.device, num_q_heads, num_kv_heads, head_dim, num_rows, reach, window)
+    if not isinstance(workspace, PrefillWorkspace):
+        raise ValueError(f"flash_prefill takes a PrefillWorkspace, got {type(workspace).__name__}")
+    plan = workspace.check_call(num_rows, batch, num_q_heads, num_kv_heads, head_dim, block_table.shape[1],
+                                block_size, q.device, window=window)
+    if plan.num_splits > 1 and num_rows > MAX_GRID_YZ:
+        raise ValueError(f"a call of {plan.num_splits} splits takes at most {MAX_GRID_YZ} rows, this one has {num_rows}")
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    return torch.ops.flashdecode.flash_prefill(q, k_cache, v_cache, block_table, cu_query_starts, seq_lens, scale,
+                                               plan.num_splits, row_tiles, workspace.partial_out,
+                                               workspace.partial_lse, _kernel_window(window, reach), k_scale, v_scale)
 
 
 def _kernel_window(window: int | None, reach: int) -> int:

@@ -25,6 +25,10 @@ REQUIRED_ENTRIES = {
                         for shape in _SPLIT_SHAPES for kv in ("S2_", "a")],
     "write_kv.cu": ["write_kv_kernelE", "write_kv_int8_kernelI13__nv_bfloat16E", "write_kv_int8_kernelI6__halfE"],
     "layer_ops.cu": [f"rope_write_kv_kernelI{t}{kv}EEv" for t in ("13__nv_bfloat16", "6__half") for kv in ("S2_", "a")],
+    # the prefill kernel for both query types, every head_dim and both cache types, and its merge
+    "prefill.cu": [f"prefill_kernelI{t}Li{d}E{kv}EEv" for t in ("13__nv_bfloat16", "6__half") for d in (64, 128, 256)
+                   for kv in ("S2_", "a")] + [f"merge_kernelI{t}Li{d}EEEv" for t in ("13__nv_bfloat16", "6__half")
+                                              for d in (64, 128, 256)],
 }
 
 
