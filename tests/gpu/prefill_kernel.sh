@@ -8,6 +8,7 @@
 #
 # PREFILL_BENCH_ARGS go to benchmarks.prefill_bench (e.g. "--int8", "--batches 1 16").
 # SKIP_DECODE_BENCH=1 leaves out the decode kernel grid (benchmarks.kernel_bench --quick).
+# SANITIZE=1 runs one small case under compute-sanitizer (memcheck, racecheck) even when the tests pass.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-results/prefill}
@@ -30,6 +31,15 @@ stamp "prefill GPU tests"
 timeout 900 python3 -m pytest -q -m gpu tests/gpu/test_flash_prefill_cuda.py -p no:cacheprovider -rs --maxfail=5 \
     2>&1 | tee "$OUT/prefill_tests.log" | tail -30
 summary+=("prefill tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/prefill_tests.log" | tail -1)")
+if [[ -n ${SANITIZE:-} ]] || grep -qE 'failed|error' "$OUT/prefill_tests.log"; then
+  # one small case under compute-sanitizer: out-of-bounds accesses, then shared-memory races
+  for tool in memcheck racecheck; do
+    stamp "compute-sanitizer $tool on one small prefill case"
+    timeout 300 compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/gpu/test_flash_prefill_cuda.py -k "first_tokens" 2>&1 | tee "$OUT/sanitizer_$tool.log" | tail -15
+    summary+=("compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)")
+  done
+fi
 
 stamp "decode GPU tests (unchanged kernel, shared merge)"
 timeout 600 python3 -m pytest -q -m gpu tests/gpu/test_flash_decode_cuda.py tests/gpu/test_kv_int8_cuda.py \

@@ -38,7 +38,7 @@ python3 -c "from kernels import ops; ops.load()" 2>&1 | tail -5 | tee "$OUT/buil
 
 if want tests; then
   stamp "GPU tests"
-  timeout 360 python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu} -k "not test_architecture_" -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout 480 python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu} -k "not test_architecture_" -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
   summary+=("gpu tests: $(grep -E '[0-9]+ (passed|failed)' "$OUT/gpu_tests.log" | tail -1)")
 fi
 if want profile; then
