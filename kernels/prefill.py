@@ -13,7 +13,7 @@ float32 (float64 stays float64); int8 caches are dequantised with their row scal
 
 import torch
 
-from .kv_quant import INT8, check_kv_scales, dequantize_rows
+from .kv_quant import INT8, check_kv_scales, dequantize_rows, is_int8
 from .planner import max_splits_for
 from .reference import _accum_dtype, gather_window, merge_splits
 from .window import check_window
@@ -101,7 +101,7 @@ def split_prefill(q, k_cache, v_cache, block_table, cu_query_starts, seq_lens, n
     if num_splits < 1:
         raise ValueError(f"num_splits must be positive, got {num_splits}")
     starts, lens = check_lengths(q, block_table, cu_query_starts, seq_lens, block_size)
-    int8 = k_cache.dtype == INT8
+    int8 = is_int8(k_cache)
     scale = head_dim ** -0.5 if scale is None else scale
     acc = _accum_dtype(q.dtype)
     group = num_q_heads // num_kv_heads

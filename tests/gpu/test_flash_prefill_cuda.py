@@ -18,7 +18,7 @@ from kernels.paging import DEFAULT_BLOCK_SIZE
 from kernels.prefill import split_prefill
 from kernels.workspace import PrefillWorkspace
 
-from .test_flash_decode_cuda import DEVICE, capture, fresh_seed, make_paged  # noqa: F401
+from .test_flash_decode_cuda import DEVICE, capture, fresh_seed, make_paged, poison  # noqa: F401
 from .test_kv_int8_cuda import int8_paged
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -69,12 +69,6 @@ def assert_accurate(outs, q, k_ref, v_ref, table, cu, seq_lens, scale, context="
         info = f"{context} err={err:.3g} plain={plain_err:.3g}"
         assert torch.isfinite(out).all(), "NaN/inf in output: " + info
         assert err <= 2 * plain_err + 1e-6, info
-
-
-def poison(workspace, out_shape, dtype):
-    workspace.partial_out.fill_(float("nan"))
-    workspace.partial_lse.fill_(float("nan"))
-    torch.full(out_shape, float("nan"), device=DEVICE, dtype=dtype)   # the output reuses this block
 
 
 def check(new_rows, cached, num_q, num_kv, head_dim, block_size=DEFAULT_BLOCK_SIZE, dtype=torch.bfloat16, window=None,
