@@ -2,7 +2,7 @@
 // rows of one sequence and KV head, rows being the (new token, query head of the group) pairs in
 // token-major order, over one split of the keys those rows attend to: four warps of 16 rows each
 // run S = Q K^T and O += P V with mma.m16n8k16 (fp32 accumulation) and an online softmax in the
-// log2 domain, over K/V tiles of 64 tokens read from the paged cache with cp.async into two
+// log2 domain, over K/V tiles of 64 tokens (32 at head_dim 256) read from the paged cache with cp.async into two
 // shared-memory stages (the next tile in flight while the current one is computed). Rows are causal
 // (a row at position p sees keys <= p) and optionally windowed (> p - window). The block writes its
 // rows normalised, to the output (one split) or with their LSEs to the workspace, which the decode
@@ -29,7 +29,8 @@ template <typename T, int D, typename KV>
 struct PrefillShape {
   static constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   using M = std::conditional_t<kInt8, __half, T>;                   // the MMAs' element type
-  static constexpr int kM = kPrefillRows, kN = kPrefillTile;
+  // head_dim 256 streams half the tokens a stage, so that two blocks fit an SM (101 KB each)
+  static constexpr int kM = kPrefillRows, kN = D > 128 ? kPrefillTile / 2 : kPrefillTile;
   static constexpr int kStride = D + 8;                            // elements of a padded 2-byte row
   static constexpr int kCodeStride = D + 16;                       // bytes of a padded int8 row
   static constexpr int kQBytes = kM * kStride * 2;
@@ -39,8 +40,9 @@ struct PrefillShape {
   // int8: the converted fp16 K and V tiles and the K scales as float, past the two stages.
   static constexpr int kConvBytes = kInt8 ? 2 * kTileBytes + kN * 4 : 0;
   static constexpr int kSmemBytes = kQBytes + 2 * kStageBytes + kConvBytes;
-  static constexpr int kMinBlocks = D > 128 ? 1 : 2;
+  static constexpr int kMinBlocks = 2;
   static_assert(kQBytes % 16 == 0 && kStageBytes % 16 == 0 && kTileBytes % 16 == 0, "16-byte aligned regions");
+  static_assert(kN % 16 == 0, "a stage is whole MMA steps of P V (and even, for the int8 scales' pairs)");
 };
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
