@@ -9,8 +9,9 @@ rows over their C + n keys (causal within the new rows):
   row into contiguous K/V, then FlashAttention-2's varlen forward (``aten._flash_attention_forward``);
 - FA: the same varlen forward alone on K/V gathered beforehand (the floor of the engine's way);
 - cuDNN: SDPA's CUDNN_ATTENTION backend on padded ``[B, H, n | C + n, D]`` tensors (no padding
-  here: the sequences of a case are alike) with ``enable_gqa`` and the bottom-right causal mask as
-  an additive bias, the call a fixed-shape caller would make.
+  here: the sequences of a case are alike) with the bottom-right causal mask as an additive bias,
+  the call a fixed-shape caller would make: with ``enable_gqa``, or where cuDNN refuses that, over
+  K/V heads repeated beforehand (``cudnn_heads`` in the JSON says which).
 
 GPU time per call under CUDA-graph replay, rotating over enough input sets to stream past the L2,
 median over replays (``kernel_bench.time_per_call_us``, the decode benchmark's method). ``--int8``
@@ -58,7 +59,8 @@ class Case:
         # bottom-right causal mask of n rows over C + n keys, as an additive bias
         rows = torch.arange(cached, total, device=device).view(-1, 1)
         keys = torch.arange(total, device=device).view(1, -1)
-        self.bias = torch.zeros(new, total, device=device, dtype=torch.bfloat16).masked_fill(keys > rows, float("-inf"))
+        self.bias = torch.zeros(1, 1, new, total, device=device, dtype=torch.bfloat16).masked_fill(keys > rows,
+                                                                                                 float("-inf"))
         self.sets = []
         for _ in range(self.num_sets):
             k = torch.randn(batch, num_kv, total, dim, device=device, dtype=torch.bfloat16)
@@ -104,12 +106,20 @@ class Case:
     def flash_alone(self):
         return [(lambda s=s: self._flash(s["q"], s["k_flat"], s["v_flat"])) for s in self.sets]
 
-    def cudnn(self):
+    def cudnn(self, expand_heads=False):
+        """cuDNN's SDPA with ``enable_gqa`` or, where it refuses that, over K/V heads repeated
+        beforehand (untimed)."""
+        group = self.shape[0] // self.shape[1]
+
         def make(s):
+            k, v = s["k"], s["v"]
+            if expand_heads:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
             def call():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return F.scaled_dot_product_attention(s["q4"], s["k"], s["v"], attn_mask=self.bias,
-                                                          scale=self.scale, enable_gqa=True)
+                    return F.scaled_dot_product_attention(s["q4"], k, v, attn_mask=self.bias, scale=self.scale,
+                                                          enable_gqa=not expand_heads)
             return call
         return [make(s) for s in self.sets]
 
@@ -137,7 +147,10 @@ def run(args):
                     r = dict(shape=label, batch=batch, new=new, cached=cached, kv_mb=case.kv_bytes / 1e6,
                              splits=case.plan.num_splits, max_diff_vs_engine=check_agreement(case),
                              ours_us=try_time(case.ours()), engine_us=try_time(case.engine()),
-                             flash_us=try_time(case.flash_alone()), cudnn_us=try_time(case.cudnn()))
+                             flash_us=try_time(case.flash_alone()), cudnn_us=try_time(case.cudnn()),
+                             cudnn_heads="gqa")
+                    if r["cudnn_us"] is None:
+                        r["cudnn_us"], r["cudnn_heads"] = try_time(case.cudnn(expand_heads=True)), "repeated"
                     if args.int8:
                         r["ours_int8_us"] = try_time(case.ours(int8=True))
                         r["engine_int8_us"] = try_time(case.engine(int8=True))
