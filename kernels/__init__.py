@@ -2,6 +2,7 @@
 
 ``flash_decode`` runs the CUDA kernel on CUDA tensors and the pure-PyTorch reference on CPU
 tensors; both compute the same split-KV algorithm (see ``reference.py`` and ``csrc/``).
+``flash_prefill`` does the same for blocks of new query rows after a cached prefix (``prefill.py``).
 """
 
 from .paging import cache_shape, pack_paged

@@ -125,29 +125,55 @@ def split_prefill(q, k_cache, v_cache, block_table, cu_query_starts, seq_lens, n
         rows = q[starts[i]:starts[i + 1]].to(acc) * scale                      # [n, Hq, D]
         rows = rows.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
         positions = torch.arange(total - n, total, device=q.device)
-        o, lse = _split_rows(rows, k, v, first, positions, num_splits, window)
-        out[starts[i]:starts[i + 1]] = merge_splits(o, lse).to(q.dtype)
+        out[starts[i]:starts[i + 1]] = _attend_splits(rows, k, v, first, positions, num_splits, window).to(q.dtype)
     return out
 
 
-def _split_rows(q, k, v, first, positions, num_splits, window):
-    """Per-split partials of rows ``q [Hkv, G, n, D]`` (scaled) at ``positions [n]`` over keys
-    ``k/v [Hkv, width, D]`` at positions ``first..first + width - 1``: ``o [n, Hq, S, D]`` and
-    ``lse [n, Hq, S]``; a row that sees none of a split's keys has lse = -inf and o = 0."""
+SPLIT_BATCH_ELEMENTS = 1 << 24   # partial outputs (or scores) held at once: 64 MB of float32
+
+
+def _attend_splits(q, k, v, first, positions, num_splits, window):
+    """Rows ``q [Hkv, G, n, D]`` (scaled) at ``positions [n]`` over keys ``k/v [Hkv, width, D]`` at
+    positions ``first..first + width - 1``, cut into ``num_splits`` chunks: ``[n, Hq, D]``, the chunks'
+    partials merged exactly, a batch of chunks at a time (memory stays bounded at any split count;
+    the merge is associative)."""
     num_kv_heads, group, n, head_dim = q.shape
     width = k.shape[1]
     splits = min(num_splits, width)
     chunk = -(-width // splits)
-    pad = splits * chunk - width
+    per_batch = max(1, SPLIT_BATCH_ELEMENTS // (num_kv_heads * group * n * max(head_dim, chunk)))
+    out = total = None
+    for s0 in range(0, splits, per_batch):
+        s1 = min(splits, s0 + per_batch)
+        lo, hi = s0 * chunk, min(width, s1 * chunk)
+        o, lse = _split_rows(q, k[:, lo:hi], v[:, lo:hi], first + lo, first + width, positions, s1 - s0, chunk,
+                             window)
+        part, part_lse = merge_splits(o, lse), torch.logsumexp(lse, dim=-1)
+        if out is None:
+            out, total = part, part_lse
+        else:
+            pair_lse = torch.stack([total, part_lse], dim=2)
+            out = merge_splits(torch.stack([out, part], dim=2), pair_lse)
+            total = torch.logsumexp(pair_lse, dim=-1)
+    return out
+
+
+def _split_rows(q, k, v, key0, key_end, positions, splits, chunk, window):
+    """Per-split partials of rows ``q [Hkv, G, n, D]`` over keys ``k/v [Hkv, w, D]`` at positions
+    ``key0..`` (those from ``key_end`` on are padding), in ``splits`` chunks of ``chunk``:
+    ``o [n, Hq, S, D]`` and ``lse [n, Hq, S]``; a row that sees none of a chunk's keys has lse =
+    -inf and o = 0."""
+    num_kv_heads, group, n, head_dim = q.shape
+    pad = splits * chunk - k.shape[1]
     if pad:
         k = torch.nn.functional.pad(k, (0, 0, 0, pad))
         v = torch.nn.functional.pad(v, (0, 0, 0, pad))
     k = k.view(num_kv_heads, splits, chunk, head_dim)
     v = v.view(num_kv_heads, splits, chunk, head_dim)
     scores = torch.einsum("hgnd,hscd->hgnsc", q, k)                          # [Hkv, G, n, S, chunk]
-    key_pos = first + torch.arange(splits * chunk, device=q.device).view(1, splits, chunk)
+    key_pos = key0 + torch.arange(splits * chunk, device=q.device).view(1, splits, chunk)
     row_pos = positions.view(n, 1, 1)
-    seen = (key_pos <= row_pos) & (key_pos < first + width)
+    seen = (key_pos <= row_pos) & (key_pos < key_end)
     if window is not None:
         seen &= key_pos > row_pos - window
     scores = scores.masked_fill(~seen.view(1, 1, n, splits, chunk), float("-inf"))
@@ -159,7 +185,4 @@ def _split_rows(q, k, v, first, positions, num_splits, window):
     lse = (m_safe + torch.log(l)).squeeze(-1)                                # log(0) = -inf
     o = o.permute(2, 0, 1, 3, 4).reshape(n, num_kv_heads * group, splits, head_dim)
     lse = lse.permute(2, 0, 1, 3).reshape(n, num_kv_heads * group, splits)
-    if splits < num_splits:   # the splits past the keys are empty, as on the device
-        o = torch.nn.functional.pad(o, (0, 0, 0, num_splits - splits))
-        lse = torch.nn.functional.pad(lse, (0, num_splits - splits), value=float("-inf"))
     return o, lse
