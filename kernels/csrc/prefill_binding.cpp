@@ -59,7 +59,11 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   TORCH_CHECK(rows >= 1 && batch >= 1, "q needs at least one row and block_table one sequence");
   TORCH_CHECK(window >= 0 && window <= INT32_MAX, "window must be in 0..", INT32_MAX, " (0: none), got ", window);
   TORCH_CHECK(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits must be in 1..", kMaxSplits);
-  TORCH_CHECK(row_tiles >= 1 && row_tiles <= 65535, "row_tiles must be in 1..65535, got ", row_tiles);
+  TORCH_CHECK(k_cache.size(0) >= 1, "the caches need at least one block");   // block ids are clamped into them
+  // Blocks past the last row tile exit; fewer than this bound could leave rows of the output unwritten.
+  const int64_t min_row_tiles = (rows * (hq / hkv) + kPrefillRows - 1) / kPrefillRows + batch;
+  TORCH_CHECK(row_tiles >= min_row_tiles && row_tiles <= 65535, "row_tiles must be in ", min_row_tiles,
+              "..65535 (ceil(T * group / ", kPrefillRows, ") + B), got ", row_tiles);
   if (num_splits > 1) {
     TORCH_CHECK(rows <= 65535, "a call of several splits takes at most 65535 rows, got ", rows);
     TORCH_CHECK(partial_out.scalar_type() == at::kFloat && partial_out.is_contiguous() && partial_out.dim() == 3 &&
