@@ -246,3 +246,9 @@ def test_refusals_name_both_values():
     with pytest.raises(ValueError, match="takes a PrefillWorkspace, got Workspace"):
         kernels.flash_prefill(q, k_cache, v_cache, table, cu, seq_lens,
                               workspace=kernels.Workspace(2, 4, 64, 1024, DEVICE, num_kv_heads=2))
+    # the op itself: too few row tiles would leave output rows unwritten (bound: ceil(10 * 2 / 64) + 2 = 3)
+    ops.load(DEVICE)
+    partial_out, partial_lse = torch.empty(0, device=DEVICE), torch.empty(0, device=DEVICE)
+    with pytest.raises(RuntimeError, match=r"row_tiles must be in 3\.\.65535"):
+        torch.ops.flashdecode.flash_prefill(q, k_cache, v_cache, table, cu, seq_lens, 0.125, 1, 2, partial_out,
+                                            partial_lse, 0, None, None)
