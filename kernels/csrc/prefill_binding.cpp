@@ -67,8 +67,9 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   if (num_splits > 1) {
     TORCH_CHECK(rows <= 65535, "a call of several splits takes at most 65535 rows, got ", rows);
     TORCH_CHECK(partial_out.scalar_type() == at::kFloat && partial_out.is_contiguous() && partial_out.dim() == 3 &&
-                    partial_out.size(0) >= rows * num_splits && partial_out.size(1) == hq && partial_out.size(2) == d,
-                "partial_out must be float32 [>= T * num_splits, Hq, D]");
+                    partial_out.size(0) >= rows * num_splits && partial_out.size(1) == hq && partial_out.size(2) == d &&
+                    is_aligned16(partial_out),
+                "partial_out must be 16-byte aligned float32 [>= T * num_splits, Hq, D]");   // the merge reads float4
     TORCH_CHECK(partial_lse.scalar_type() == at::kFloat && partial_lse.is_contiguous() &&
                     partial_lse.numel() >= rows * num_splits * hq,
                 "partial_lse must be float32 [>= T * num_splits, Hq]");
