@@ -9,6 +9,7 @@
 # PREFILL_BENCH_ARGS go to benchmarks.prefill_bench (e.g. "--int8", "--batches 1 16").
 # SKIP_DECODE_BENCH=1 leaves out the decode kernel grid (benchmarks.kernel_bench --quick).
 # SANITIZE=1 runs one small case under compute-sanitizer (memcheck, racecheck) even when the tests pass.
+# TESTS_ONLY=1 stops after the prefill tests (and the sanitizer): the correctness check alone.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-results/prefill}
@@ -39,6 +40,11 @@ if [[ -n ${SANITIZE:-} ]] || grep -qE 'failed|error' "$OUT/prefill_tests.log"; t
         tests/gpu/test_flash_prefill_cuda.py -k "first_tokens" 2>&1 | tee "$OUT/sanitizer_$tool.log" | tail -15
     summary+=("compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)")
   done
+fi
+
+if [[ -n ${TESTS_ONLY:-} ]]; then
+  printf '%s\n' "${summary[@]}"
+  exit 0
 fi
 
 stamp "decode GPU tests (unchanged kernel, shared merge)"
