@@ -16,7 +16,10 @@ rows over their C + n keys (causal within the new rows):
 GPU time per call under CUDA-graph replay, rotating over enough input sets to stream past the L2,
 median over replays (``kernel_bench.time_per_call_us``, the decode benchmark's method). ``--int8``
 adds ours and the engine's way on int8 caches of the same values. Prints a Markdown table (speedup
-= the peer's time / ours) and writes ``prefill_bench.json`` under ``--out``.
+= the peer's time / ours) and writes ``prefill_bench.json`` under ``--out``. ``--write-table PATH``
+adds this GPU's measured choices to the engine's table (``kernels.prefill_choice``; the repository's
+is ``kernels/prefill_table.json``): the split-KV kernel where its median beats every peer's by more
+than ``--margin``.
 """
 
 import argparse
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels
-from kernels import ops
+from kernels import ops, prefill_choice
 from kernels.paging import DEFAULT_BLOCK_SIZE, pack_paged
 from kernels.workspace import PrefillWorkspace
 
@@ -207,6 +210,10 @@ def main(argv=None):
     p.add_argument("--new-rows", type=int, nargs="+", default=list(NEW_ROWS))
     p.add_argument("--cached", type=int, nargs="+", default=list(CACHED))
     p.add_argument("--int8", action="store_true", help="also ours and the engine's way on int8 caches")
+    p.add_argument("--write-table", type=Path, default=None, metavar="PATH",
+                   help="add this GPU's per-shape choices to the prefill table at PATH (kernels/prefill_table.json)")
+    p.add_argument("--margin", type=float, default=prefill_choice.MARGIN,
+                   help="share by which ours must beat the best peer to be chosen")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("prefill_bench needs a CUDA device")
@@ -217,6 +224,11 @@ def main(argv=None):
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "prefill_bench.json").write_text(json.dumps({"device": device_name, "rows": rows}, indent=1))
         (args.out / "prefill_bench.md").write_text(f"{device_name}\n\n{table}\n")
+    if args.write_table is not None:
+        written = prefill_choice.write_table(args.write_table, device_name, rows, args.margin)
+        chosen = [e for e in written["devices"][device_name]["entries"] if e["path"] == prefill_choice.SPLIT_KV]
+        print(f"prefill table {args.write_table}: {device_name}, the split-KV kernel in {len(chosen)} of "
+              f"{len(written['devices'][device_name]['entries'])} cases")
     print(f"\n{device_name}, bf16, GPU time per call under CUDA-graph replay (speedup: the peer's time / ours)\n")
     print(table)
 

@@ -72,6 +72,10 @@ class AttentionBatch:
     # int8 caches: each layer's (k_scale, v_scale), the row scales, float16 [num_blocks, Hkv,
     # block_size] on the caches' device (kernels.kv_quant)
     kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # Set instead of key_slots where the measured table chose the split-KV kernel for this step
+    # (kernels.prefill_choice): chunks after a cached prefix attend through kernels.flash_prefill
+    # on the paged cache (block_tables, seq_lens, cu_query_starts) with this workspace.
+    prefill_workspace: kernels.PrefillWorkspace | None = None
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(k_scale, v_scale)`` of layer ``layer``'s int8 caches; ``(None, None)`` for other caches."""
@@ -97,10 +101,16 @@ def cached_rows(cache: torch.Tensor, row_scales: torch.Tensor | None, table: tor
 def prefill_attention(q, k, v, scale, batch: AttentionBatch, k_cache, v_cache, k_scale=None, v_scale=None, *,
                       window: int | None = None) -> torch.Tensor:
     """Causal attention of packed prompt chunks: ``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` (their keys
-    and values already in the cache); returns ``[T, Hq, D]``. With a sliding ``window`` the query
+    and values already in the cache); returns ``[T, Hq, D]``. Chunks after a cached prefix run the
+    split-KV kernel where the batch carries a ``prefill_workspace``, else FlashAttention over key
+    rows read from the cache (SDPA on a CPU). With a sliding ``window`` the query
     at position i attends to positions ``i - window < p <= i`` (``kernels.window``). Keys and
     values read back from int8 caches are dequantised at their row scales ``k_scale``/``v_scale``."""
     window = kernels.check_window(window)
+    if batch.prefill_workspace is not None:
+        return kernels.flash_prefill(q, k_cache, v_cache, batch.block_tables, batch.cu_query_starts, batch.seq_lens,
+                                     scale=scale, window=window, k_scale=k_scale, v_scale=v_scale,
+                                     workspace=batch.prefill_workspace)
     if batch.key_slots is not None:
         k, v = kernels.read_kv(k_cache, v_cache, batch.key_slots, q.dtype, k_scale, v_scale)    # [K, Hkv, D]
         if q.is_cuda:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import kernels
+from kernels import prefill_choice
 from kernels.kv_quant import INT8, SCALE_DTYPE, new_scales
 from models import (AttentionBatch, FusedDecoder, LoadedModel, cpu_forward, cpu_unsupported_reason, forward_logits,
                     fused_unsupported_reason, head_dim_of, layer_windows)
@@ -78,6 +79,11 @@ class ModelRunner:
         self.workspace = kernels.Workspace(self.max_batch, self.num_q_heads, self.head_dim, max_model_len,
                                            self.device, num_kv_heads=self.num_kv_heads, windows=layer_windows(cfg),
                                            kv_int8=self.kv_dtype == INT8)
+        # chunks after a cached prefix: the split-KV kernel where the measured table chose it (CUDA)
+        self.prefill_choice = prefill_choice.PrefillChoice()
+        self.prefill_workspace: kernels.PrefillWorkspace | None = None
+        if self.device.type == "cuda":
+            self._init_prefill_kernel(config)
         self.num_blocks = config.num_blocks or self._blocks_from_memory(config)
         shape = kernels.cache_shape(self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
@@ -106,6 +112,33 @@ class ModelRunner:
             self.capture(config.buckets())
             if self.prefill_graphs is not None:
                 self.prefill_graphs.capture()
+
+    def _init_prefill_kernel(self, config: EngineConfig) -> None:
+        """Loads this GPU's measured choices for the model's head layout and cache dtype and, where
+        any shape takes the split-KV kernel, allocates its workspace for the largest prefill step."""
+        if any(w is not None for w in layer_windows(self.model.config)):
+            log.info("prefill after a cached prefix: FlashAttention (the split-KV kernel's table measures no windows)")
+            return
+        device_name = torch.cuda.get_device_name(self.device)
+        choice = prefill_choice.choice_for(device_name, self.num_q_heads, self.num_kv_heads, self.head_dim,
+                                           self.kv_dtype)
+        if not choice.ever_split_kv:
+            log.info("prefill after a cached prefix: FlashAttention (%s has no measured shape where the split-KV "
+                     "kernel wins for %s heads, %s cache)", device_name,
+                     prefill_choice.layout_name(self.num_q_heads, self.num_kv_heads, self.head_dim), self.kv_dtype)
+            return
+        self.prefill_choice = choice
+        self.prefill_workspace = kernels.PrefillWorkspace(config.max_prefill_tokens, self.num_q_heads, self.head_dim,
+                                                          self.max_model_len, self.device,
+                                                          num_kv_heads=self.num_kv_heads)
+        log.info("prefill after a cached prefix: the split-KV kernel where %s measured it faster (%d of %d cases)",
+                 device_name, sum(p == prefill_choice.SPLIT_KV for p in choice.cases.values()), len(choice.cases))
+
+    def takes_split_kv(self, batch: int, total_rows: int, longest_cached: int, table_width: int) -> bool:
+        """Whether an eager prefill step of chunks after a cached prefix runs the split-KV kernel."""
+        workspace = self.prefill_workspace
+        return (workspace is not None and total_rows <= workspace.max_rows and table_width <= self.max_blocks_per_seq
+                and self.prefill_choice.split_kv(batch, total_rows, longest_cached))
 
     def _pick_forward(self, config: EngineConfig):
         reason = fused_unsupported_reason(self.model) if config.fused_layers else "turned off"
@@ -313,7 +346,9 @@ class ModelRunner:
         to_dev = self._to_device
         on_gpu = self.device.type == "cuda"
         context = {}
-        if any(contexts) and on_gpu:             # one varlen call over key rows read from the cache
+        if any(contexts) and on_gpu and self.takes_split_kv(len(chunks), starts[-1], max(contexts), width):
+            context = dict(prefill_workspace=self.prefill_workspace)
+        elif any(contexts) and on_gpu:           # one varlen call over key rows read from the cache
             key_slots, key_starts = key_rows(chunks, self.block_size)
             context = dict(key_slots=to_dev(key_slots),
                            cu_kv_starts=to_dev(key_starts), kv_starts=key_starts,

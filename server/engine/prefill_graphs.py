@@ -10,7 +10,10 @@ Whole prompts (nothing cached before them) attend over their own keys. Chunks th
 cached prefix (prefix caching, or a long prompt's later chunks) attend over key rows read from
 the cache at their slots (``key_rows``, ``kernels.read_kv``): their graphs are captured per pair
 of token bucket and key-row bucket; the padding sequence's key rows, as many as its query rows,
-and the bucket's spare rows read zeros (slot -1).
+and the bucket's spare rows read zeros (slot -1). Captured graphs always run that FlashAttention
+path, never the split-KV kernel the measured table may choose for an eager step
+(``ModelRunner.takes_split_kv``): one graph serves every shape of its buckets, which the table may
+answer differently, and the table measured unpadded calls, not a bucket's padded one.
 """
 
 import logging

@@ -10,6 +10,8 @@
 # SKIP_DECODE_BENCH=1 leaves out the decode kernel grid (benchmarks.kernel_bench --quick).
 # SANITIZE=1 runs one small case under compute-sanitizer (memcheck, racecheck) even when the tests pass.
 # TESTS_ONLY=1 stops after the prefill tests (and the sanitizer): the correctness check alone.
+# The benchmark writes the engine's per-shape table to $OUT/prefill_table.json (the repository's
+# kernels/prefill_table.json with this GPU's cases added): copy it to kernels/prefill_table.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-results/prefill}
@@ -60,8 +62,11 @@ if [[ -z ${SKIP_DECODE_BENCH:-} ]]; then
 fi
 
 stamp "prefill benchmark"
-timeout 1200 python3 -m benchmarks.prefill_bench --out "$OUT" ${PREFILL_BENCH_ARGS:-} 2>&1 | tee "$OUT/prefill_bench.log" | tail -70
+if [[ -f kernels/prefill_table.json ]]; then cp kernels/prefill_table.json "$OUT/prefill_table.json"; fi
+timeout 1200 python3 -m benchmarks.prefill_bench --out "$OUT" --write-table "$OUT/prefill_table.json" \
+    ${PREFILL_BENCH_ARGS:-} 2>&1 | tee "$OUT/prefill_bench.log" | tail -70
 stamp "done"
+summary+=("$(grep -E '^prefill table' "$OUT/prefill_bench.log" || echo "prefill table: not written")")
 printf '%s\n' "${summary[@]}"
 echo
 sed -n '/^| shape/,$p' "$OUT/prefill_bench.log"
