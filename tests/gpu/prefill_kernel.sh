@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The split-KV prefill kernel on the GPU, in one command: build the extension, its GPU tests, the
-# decode kernel's GPU tests beside them (nothing else broken or slower), then the prefill benchmark
+# engine with the kernel forced on (tests/gpu/test_prefill_choice_cuda.py), the decode kernel's GPU
+# tests beside them (nothing else broken or slower), then the prefill benchmark
 # against the engine's way today (read_kv + FlashAttention varlen), FA alone and cuDNN. Logs under
 # $OUT; the short table last.
 #
@@ -9,7 +10,7 @@
 # PREFILL_BENCH_ARGS go to benchmarks.prefill_bench (e.g. "--int8", "--batches 1 16").
 # SKIP_DECODE_BENCH=1 leaves out the decode kernel grid (benchmarks.kernel_bench --quick).
 # SANITIZE=1 runs one small case under compute-sanitizer (memcheck, racecheck) even when the tests pass.
-# TESTS_ONLY=1 stops after the prefill tests (and the sanitizer): the correctness check alone.
+# TESTS_ONLY=1 stops after the prefill and engine tests (and the sanitizer): the correctness check alone.
 # The benchmark writes the engine's per-shape table to $OUT/prefill_table.json (the repository's
 # kernels/prefill_table.json with this GPU's cases added): copy it to kernels/prefill_table.json.
 set -uo pipefail
@@ -43,6 +44,11 @@ if [[ -n ${SANITIZE:-} ]] || grep -qE 'failed|error' "$OUT/prefill_tests.log"; t
     summary+=("compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)")
   done
 fi
+
+stamp "the engine with the kernel forced for every shape, against FlashAttention (eager prefill steps)"
+timeout 600 python3 -m pytest -q -m gpu tests/gpu/test_prefill_choice_cuda.py -p no:cacheprovider -rs \
+    2>&1 | tee "$OUT/prefill_choice_tests.log" | tail -15
+summary+=("engine with the kernel forced: $(grep -E '[0-9]+ (passed|failed)' "$OUT/prefill_choice_tests.log" | tail -1)")
 
 if [[ -n ${TESTS_ONLY:-} ]]; then
   printf '%s\n' "${summary[@]}"
