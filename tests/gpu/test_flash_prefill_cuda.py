@@ -18,10 +18,12 @@ from kernels.paging import DEFAULT_BLOCK_SIZE
 from kernels.prefill import split_prefill
 from kernels.workspace import PrefillWorkspace
 
-from .test_flash_decode_cuda import DEVICE, capture, fresh_seed, make_paged, poison  # noqa: F401
+from . import test_flash_decode_cuda
+from .test_flash_decode_cuda import DEVICE, assert_within_twice_plain, capture, make_paged, poison
 from .test_kv_int8_cuda import int8_paged
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+fresh_seed = test_flash_decode_cuda.fresh_seed   # the decode tests' autouse seed fixture, here too
 
 
 def index_tensors(new_rows):
@@ -63,12 +65,7 @@ def assert_accurate(outs, q, k_ref, v_ref, table, cu, seq_lens, scale, context="
     (``k_ref/v_ref``: the caches as values, the dequantised ones for int8)."""
     ref = oracle(q, k_ref, v_ref, table, cu, seq_lens, scale, window)
     plain = plain_low_precision(q, k_ref.to(q.dtype), v_ref.to(q.dtype), table, cu, seq_lens, scale, window)
-    plain_err = (plain.double() - ref).abs().max().item()
-    for out in outs:
-        err = (out.double() - ref).abs().max().item()
-        info = f"{context} err={err:.3g} plain={plain_err:.3g}"
-        assert torch.isfinite(out).all(), "NaN/inf in output: " + info
-        assert err <= 2 * plain_err + 1e-6, info
+    assert_within_twice_plain(outs, ref, plain, context)
 
 
 def check(new_rows, cached, num_q, num_kv, head_dim, block_size=DEFAULT_BLOCK_SIZE, dtype=torch.bfloat16, window=None,
