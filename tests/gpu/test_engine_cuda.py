@@ -31,6 +31,23 @@ def teacher_forced_logits(loaded, prompt, continuation, cuda_graphs, fused=True)
     return decode_continuation(runner, blocks, seq, runner.prefill([(seq, seq.length)])[0], continuation)
 
 
+def after_a_cached_prefix(runner, prompt, differing):
+    """A prefix-caching block manager and ``prompt``'s sequence, its first full blocks matched in the
+    cache an earlier sequence left (``prompt`` with its last ``differing`` tokens changed, prefilled
+    and committed), its blocks grown to its length; the caller prefills the rest."""
+    blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching=True)
+    earlier = Sequence("earlier", prompt[:-differing] + [7] * 20, SamplingParams(), seed=0)
+    blocks.grow(earlier.block_table, earlier.length)
+    runner.prefill([(earlier, earlier.length)])
+    earlier.num_cached = earlier.length
+    blocks.commit(earlier)
+    seq = Sequence("tf", prompt, SamplingParams(), seed=0)
+    seq.num_cached = blocks.match(seq)
+    assert seq.num_cached == (len(prompt) - differing) // runner.block_size * runner.block_size
+    blocks.grow(seq.block_table, seq.length)
+    return blocks, seq
+
+
 @torch.inference_mode()
 def teacher_forced_after_a_cached_prefix(loaded, prompt, continuation, fused=True, prefill_graphs=True):
     """As ``teacher_forced_logits``, the prompt's first full blocks served from the prefix cache of
@@ -39,16 +56,7 @@ def teacher_forced_after_a_cached_prefix(loaded, prompt, continuation, fused=Tru
                                               fused_layers=fused, prefill_graph_buckets=None if prefill_graphs else ()),
                          max_model_len=1024)
     assert isinstance(runner.forward, FusedDecoder) == fused, f"fused={fused} but the runner runs {runner.forward}"
-    blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching=True)
-    earlier = Sequence("earlier", prompt[:-20] + [7] * 20, SamplingParams(), seed=0)
-    blocks.grow(earlier.block_table, earlier.length)
-    runner.prefill([(earlier, earlier.length)])
-    earlier.num_cached = earlier.length
-    blocks.commit(earlier)
-    seq = Sequence("tf", prompt, SamplingParams(), seed=0)
-    seq.num_cached = blocks.match(seq)
-    assert seq.num_cached == (len(prompt) - 20) // 32 * 32
-    blocks.grow(seq.block_table, seq.length)
+    blocks, seq = after_a_cached_prefix(runner, prompt, 20)
     if prefill_graphs:
         assert runner.prefill_graphs.bucket_for([(seq, seq.length - seq.num_cached)])[1] > 0
     return decode_continuation(runner, blocks, seq, runner.prefill([(seq, seq.length - seq.num_cached)])[0],

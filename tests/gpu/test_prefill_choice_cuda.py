@@ -12,12 +12,10 @@ import kernels
 from kernels import prefill_choice
 from models import load_model
 from server.engine import Engine, EngineConfig, SamplingParams
-from server.engine.block_manager import BlockManager
 from server.engine.model_runner import ModelRunner
-from server.engine.sequence import Sequence
 
 from ..helpers import decode_continuation, run_all
-from .test_engine_cuda import NEAR_TIE, first_difference
+from .test_engine_cuda import NEAR_TIE, after_a_cached_prefix, first_difference
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -45,16 +43,7 @@ def chunked_after_a_cached_prefix(loaded, prompt, continuation, kv_cache_dtype, 
                                               fused_layers=fused, prefill_graph_buckets=(),
                                               max_prefill_tokens=256, kv_cache_dtype=kv_cache_dtype),
                          max_model_len=1024)
-    blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching=True)
-    earlier = Sequence("earlier", prompt[:-150] + [7] * 20, SamplingParams(), seed=0)
-    blocks.grow(earlier.block_table, earlier.length)
-    runner.prefill([(earlier, earlier.length)])
-    earlier.num_cached = earlier.length
-    blocks.commit(earlier)
-    seq = Sequence("tf", prompt, SamplingParams(), seed=0)
-    seq.num_cached = blocks.match(seq)
-    assert seq.num_cached == (len(prompt) - 150) // 32 * 32
-    blocks.grow(seq.block_table, seq.length)
+    blocks, seq = after_a_cached_prefix(runner, prompt, 150)
     while seq.length - seq.num_cached > chunk:
         runner.prefill([(seq, chunk)])
         seq.num_cached += chunk
