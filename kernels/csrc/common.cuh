@@ -149,6 +149,23 @@ __device__ __forceinline__ void store4(T* dst, float4 v) {
   *reinterpret_cast<uint2*>(dst) = packed;
 }
 
+// Eight of q's elements as MMA elements: as they are, or bf16 -> fp16 for int8 caches (rounded to
+// nearest, saturated to fp16's range).
+template <typename T, typename M>
+__device__ __forceinline__ uint4 to_mma(uint4 x) {
+  if constexpr (std::is_same_v<T, M>) {
+    return x;
+  } else {
+    uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+      w[i] = Elem<__half>::pack(fminf(fmaxf(f.x, -65504.f), 65504.f), fminf(fmaxf(f.y, -65504.f), 65504.f));
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));

@@ -145,23 +145,6 @@ __device__ __forceinline__ uint4 load_group(const KV* row, int j, int qd) {
   }
 }
 
-// Eight of q's elements as MMA elements: as they are, or bf16 -> fp16 for int8 caches (rounded to
-// nearest, saturated to fp16's range).
-template <typename T, typename M>
-__device__ __forceinline__ uint4 to_mma(uint4 x) {
-  if constexpr (std::is_same_v<T, M>) {
-    return x;
-  } else {
-    uint32_t w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-      w[i] = Elem<__half>::pack(fminf(fmaxf(f.x, -65504.f), 65504.f), fminf(fmaxf(f.y, -65504.f), 65504.f));
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
-  }
-}
-
 // The next tile's place in the ring of shared-memory stages: its stage, and how often the ring
 // has wrapped (the parity of the stage's barrier phase).
 struct RingSlot {

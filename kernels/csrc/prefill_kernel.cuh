@@ -68,22 +68,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_u32(p)));
 }
 
-// Eight elements of q as MMA elements: as they are, or bf16 -> fp16 (saturated) for int8 caches.
-template <typename T, typename M>
-__device__ __forceinline__ uint4 prefill_q_to_mma(uint4 x) {
-  if constexpr (std::is_same_v<T, M>) {
-    return x;
-  } else {
-    uint32_t w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-      w[i] = Elem<__half>::pack(fminf(fmaxf(f.x, -65504.f), 65504.f), fminf(fmaxf(f.y, -65504.f), 65504.f));
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
-  }
-}
-
 // What one block serves: rows [row0, row0 + rows) of sequence b's n * group rows at KV head
 // kv_head, over keys [start, end); keys before ``first`` lie before every row's window.
 struct PrefillWork {
@@ -268,7 +252,7 @@ __global__ void __launch_bounds__(kPrefillThreads, (PrefillShape<T, D, KV>::kMin
       uint4 x = make_uint4(0, 0, 0, 0);
       if (i < w.rows) {
         const int64_t token = w.q_start + row / group, head = w.kv_head * group + row % group;
-        x = prefill_q_to_mma<T, M>(__ldg(reinterpret_cast<const uint4*>(q + token * p.q_stride_t +
+        x = to_mma<T, M>(__ldg(reinterpret_cast<const uint4*>(q + token * p.q_stride_t +
                                                                          head * p.q_stride_h + 8 * c)));
       }
       *reinterpret_cast<uint4*>(q_smem + i * kStride + 8 * c) = x;
