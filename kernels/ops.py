@@ -149,25 +149,34 @@ def _validate_decode(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scal
     return batch, num_q_heads, num_kv_heads, head_dim, block_size
 
 
+def _kept_workspace(kept: dict, key, op: str, size_attr: str, size: int, max_seq_len: int, window, build):
+    """The workspace ``kept[key]`` when it holds ``size`` (its ``size_attr``: sequences or rows),
+    ``max_seq_len`` and ``window``; else (outside graph capture only) ``build(size, max_seq_len,
+    windows)`` grown to cover the old one too, kept in its place."""
+    ws = kept.get(key)
+    if ws is not None and size <= getattr(ws, size_attr) and max_seq_len <= ws.max_seq_len and ws.serves_window(window):
+        return ws
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{op} needs a larger default workspace while a CUDA graph is being captured; "
+                           "pass workspace= or run one eager call of the largest shape first")
+    windows = () if window is None else (window,)
+    if ws is not None:
+        size, max_seq_len = max(size, getattr(ws, size_attr)), max(max_seq_len, ws.max_seq_len)
+        windows += ws.windows
+    ws = build(size, max_seq_len, windows)
+    kept[key] = ws
+    return ws
+
+
 def default_workspace(device, num_q_heads, num_kv_heads, head_dim, batch, max_seq_len, window=None,
                       kv_int8: bool = False) -> Workspace:
     """The workspace kept for calls without one; grows (outside graph capture only) when outgrown
     or given a window it has no plan for."""
-    key = (device, num_q_heads, num_kv_heads, head_dim, kv_int8)
-    ws = _default_workspaces.get(key)
-    if ws is not None and batch <= ws.max_batch and max_seq_len <= ws.max_seq_len and ws.serves_window(window):
-        return ws
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("flash_decode needs a larger default workspace while a CUDA graph is being "
-                           "captured; pass workspace= or run one eager call of the largest shape first")
-    windows = () if window is None else (window,)
-    if ws is not None:
-        batch, max_seq_len = max(batch, ws.max_batch), max(max_seq_len, ws.max_seq_len)
-        windows += ws.windows
-    ws = Workspace(batch, num_q_heads, head_dim, max_seq_len, device, num_kv_heads=num_kv_heads, windows=windows,
-                   kv_int8=kv_int8)
-    _default_workspaces[key] = ws
-    return ws
+    return _kept_workspace(
+        _default_workspaces, (device, num_q_heads, num_kv_heads, head_dim, kv_int8), "flash_decode", "max_batch",
+        batch, max_seq_len, window,
+        lambda batch, max_seq_len, windows: Workspace(batch, num_q_heads, head_dim, max_seq_len, device,
+                                                      num_kv_heads=num_kv_heads, windows=windows, kv_int8=kv_int8))
 
 
 def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, workspace=None, read_ahead=True,
@@ -194,21 +203,11 @@ def flash_decode_cuda(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
 def default_prefill_workspace(device, num_q_heads, num_kv_heads, head_dim, num_rows, max_seq_len,
                               window=None) -> PrefillWorkspace:
     """The prefill workspace kept for calls without one; grows (outside graph capture only)."""
-    key = (device, num_q_heads, num_kv_heads, head_dim)
-    ws = _default_prefill_workspaces.get(key)
-    if ws is not None and num_rows <= ws.max_rows and max_seq_len <= ws.max_seq_len and ws.serves_window(window):
-        return ws
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("flash_prefill needs a larger default workspace while a CUDA graph is being captured; "
-                           "pass workspace= or run one eager call of the largest shape first")
-    windows = () if window is None else (window,)
-    if ws is not None:
-        num_rows, max_seq_len = max(num_rows, ws.max_rows), max(max_seq_len, ws.max_seq_len)
-        windows += ws.windows
-    ws = PrefillWorkspace(num_rows, num_q_heads, head_dim, max_seq_len, device, num_kv_heads=num_kv_heads,
-                          windows=windows)
-    _default_prefill_workspaces[key] = ws
-    return ws
+    return _kept_workspace(
+        _default_prefill_workspaces, (device, num_q_heads, num_kv_heads, head_dim), "flash_prefill", "max_rows",
+        num_rows, max_seq_len, window,
+        lambda num_rows, max_seq_len, windows: PrefillWorkspace(num_rows, num_q_heads, head_dim, max_seq_len, device,
+                                                                num_kv_heads=num_kv_heads, windows=windows))
 
 
 def flash_prefill_cuda(q, k_cache, v_cache, block_table, cu_query_starts, seq_lens, *, scale=None, window=None,
