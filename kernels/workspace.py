@@ -38,22 +38,58 @@ def device_sm_count(device: torch.device) -> int:
     return 1
 
 
-class Workspace:
-    def __init__(self, max_batch: int, num_q_heads: int, head_dim: int, max_seq_len: int, device,
-                 num_kv_heads: int, windows=(), split_scale: int = 1, kv_int8: bool = False):
-        if max_batch < 1 or num_q_heads < 1 or num_kv_heads < 1 or head_dim < 1 or max_seq_len < 1:
-            raise ValueError("max_batch, num_q_heads, num_kv_heads, head_dim and max_seq_len must be positive")
+class _SplitBuffers:
+    """What both workspaces hold and check alike: the head layout, head_dim, longest sequence and
+    windows planned for, and the float32 split buffers (partial outputs and LSEs)."""
+
+    def _set_layout(self, what: str, count: int, num_q_heads: int, head_dim: int, max_seq_len: int, device,
+                    num_kv_heads: int, windows) -> None:
+        if count < 1 or num_q_heads < 1 or num_kv_heads < 1 or head_dim < 1 or max_seq_len < 1:
+            raise ValueError(f"{what}, num_q_heads, num_kv_heads, head_dim and max_seq_len must be positive")
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         self.device = torch.device(device)
-        self.max_batch = max_batch
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.max_seq_len = max_seq_len
-        self.max_splits = max_splits_for(max_seq_len)
         self.num_sms = device_sm_count(self.device)
         self.windows = tuple(sorted({w for w in map(check_window, windows) if w is not None and w < max_seq_len}))
+
+    def _allocate(self, capacity_rows: int) -> None:
+        self.capacity_rows = capacity_rows
+        self.partial_out = torch.empty(capacity_rows, self.num_q_heads, self.head_dim, dtype=torch.float32,
+                                       device=self.device)
+        self.partial_lse = torch.empty(capacity_rows, self.num_q_heads, dtype=torch.float32, device=self.device)
+        self.device = self.partial_out.device   # with its index: cuda means cuda:<current>
+
+    def serves_window(self, window: int | None) -> bool:
+        window = check_window(window)
+        return window is None or window >= self.max_seq_len or window in self.windows
+
+    def _check_layout(self, num_q_heads: int, num_kv_heads: int, head_dim: int, max_blocks: int, block_size: int,
+                      device) -> None:
+        """Refuses, naming both values, a call of another head layout, head_dim or device, or whose
+        block table (``max_blocks * block_size``) reaches past the longest sequence planned for."""
+        for what, ours, call in (("num_kv_heads", self.num_kv_heads, num_kv_heads),
+                                 ("num_q_heads", self.num_q_heads, num_q_heads),
+                                 ("head_dim", self.head_dim, head_dim)):
+            if ours != call:
+                raise ValueError(f"the workspace was planned for {what} {ours}, this call has {what} {call}")
+        if max_blocks > -(-self.max_seq_len // block_size):
+            raise ValueError(f"the workspace was planned for sequences of up to {self.max_seq_len} tokens, this "
+                             f"call's block table reaches {max_blocks * block_size} ({max_blocks} blocks of "
+                             f"{block_size})")
+        if torch.device(device) != self.device:
+            raise ValueError(f"the workspace is on {self.device}, this call on {device}")
+
+
+class Workspace(_SplitBuffers):
+    def __init__(self, max_batch: int, num_q_heads: int, head_dim: int, max_seq_len: int, device,
+                 num_kv_heads: int, windows=(), split_scale: int = 1, kv_int8: bool = False):
+        self._set_layout("max_batch", max_batch, num_q_heads, head_dim, max_seq_len, device, num_kv_heads, windows)
+        self.max_batch = max_batch
+        self.max_splits = max_splits_for(max_seq_len)
         if split_scale < 1:
             raise ValueError(f"split_scale must be positive, got {split_scale}")
 
@@ -68,16 +104,8 @@ class Workspace:
             return plan if split_scale == 1 else Plan(min(plan.num_splits * split_scale, self.max_splits))
         self._plans = {span: [Plan(1)] + [planned(b, span) for b in range(1, max_batch + 1)]
                        for span in (max_seq_len, *self.windows)}
-        self.capacity_rows = max(b * plans[b].num_splits for plans in self._plans.values()
-                                 for b in range(1, max_batch + 1))
-        self.partial_out = torch.empty(self.capacity_rows, num_q_heads, head_dim, dtype=torch.float32,
-                                       device=self.device)
-        self.partial_lse = torch.empty(self.capacity_rows, num_q_heads, dtype=torch.float32, device=self.device)
-        self.device = self.partial_out.device   # with its index: cuda means cuda:<current>
-
-    def serves_window(self, window: int | None) -> bool:
-        window = check_window(window)
-        return window is None or window >= self.max_seq_len or window in self.windows
+        self._allocate(max(b * plans[b].num_splits for plans in self._plans.values()
+                           for b in range(1, max_batch + 1)))
 
     def plan(self, batch: int, window: int | None = None) -> Plan:
         """The plan of a call of ``batch`` sequences, attending to the last ``window`` positions of each."""
@@ -103,21 +131,11 @@ class Workspace:
         """The plan of a call of ``batch`` sequences; refuses, naming both values, a call this
         workspace was not planned for. ``max_blocks * block_size`` (the block table's reach)
         bounds the call's longest sequence."""
-        for what, ours, call in (("num_kv_heads", self.num_kv_heads, num_kv_heads),
-                                 ("num_q_heads", self.num_q_heads, num_q_heads),
-                                 ("head_dim", self.head_dim, head_dim)):
-            if ours != call:
-                raise ValueError(f"the workspace was planned for {what} {ours}, this call has {what} {call}")
-        if max_blocks > -(-self.max_seq_len // block_size):
-            raise ValueError(f"the workspace was planned for sequences of up to {self.max_seq_len} tokens, this "
-                             f"call's block table reaches {max_blocks * block_size} ({max_blocks} blocks of "
-                             f"{block_size})")
-        if torch.device(device) != self.device:
-            raise ValueError(f"the workspace is on {self.device}, this call on {device}")
+        self._check_layout(num_q_heads, num_kv_heads, head_dim, max_blocks, block_size, device)
         return self.plan(batch, window)
 
 
-class PrefillWorkspace:
+class PrefillWorkspace(_SplitBuffers):
     """The split buffers of ``flash_prefill`` calls of up to ``max_rows`` new tokens (all
     sequences together), allocated once: partial outputs and LSEs per (new token, split, query
     head), as many rows as the largest ``num_rows * num_splits`` any planned call needs
@@ -128,18 +146,8 @@ class PrefillWorkspace:
 
     def __init__(self, max_rows: int, num_q_heads: int, head_dim: int, max_seq_len: int, device,
                  num_kv_heads: int, windows=()):
-        if max_rows < 1 or num_q_heads < 1 or num_kv_heads < 1 or head_dim < 1 or max_seq_len < 1:
-            raise ValueError("max_rows, num_q_heads, num_kv_heads, head_dim and max_seq_len must be positive")
-        if num_q_heads % num_kv_heads:
-            raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-        self.device = torch.device(device)
+        self._set_layout("max_rows", max_rows, num_q_heads, head_dim, max_seq_len, device, num_kv_heads, windows)
         self.max_rows = max_rows
-        self.num_q_heads = num_q_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.max_seq_len = max_seq_len
-        self.num_sms = device_sm_count(self.device)
-        self.windows = tuple(sorted({w for w in map(check_window, windows) if w is not None and w < max_seq_len}))
         capacity = 0
         for window in (None, *self.windows):
             for rows in range(1, max_rows + 1):   # splits only fall as rows grow; one split needs no buffer
@@ -147,15 +155,7 @@ class PrefillWorkspace:
                 if splits == 1:
                     break
                 capacity = max(capacity, rows * splits)
-        self.capacity_rows = max(capacity, 1)
-        self.partial_out = torch.empty(self.capacity_rows, num_q_heads, head_dim, dtype=torch.float32,
-                                       device=self.device)
-        self.partial_lse = torch.empty(self.capacity_rows, num_q_heads, dtype=torch.float32, device=self.device)
-        self.device = self.partial_out.device
-
-    def serves_window(self, window: int | None) -> bool:
-        window = check_window(window)
-        return window is None or window >= self.max_seq_len or window in self.windows
+        self._allocate(max(capacity, 1))
 
     def plan(self, num_rows: int, batch: int, window: int | None = None) -> Plan:
         """The plan of a call of ``num_rows`` new tokens over ``batch`` sequences."""
@@ -173,15 +173,5 @@ class PrefillWorkspace:
                    max_blocks: int, block_size: int, device, window: int | None = None) -> Plan:
         """The plan of the call; refuses, naming both values, a call this workspace was not planned
         for (``max_blocks * block_size``, the block table's reach, bounds its longest sequence)."""
-        for what, ours, call in (("num_kv_heads", self.num_kv_heads, num_kv_heads),
-                                 ("num_q_heads", self.num_q_heads, num_q_heads),
-                                 ("head_dim", self.head_dim, head_dim)):
-            if ours != call:
-                raise ValueError(f"the workspace was planned for {what} {ours}, this call has {what} {call}")
-        if max_blocks > -(-self.max_seq_len // block_size):
-            raise ValueError(f"the workspace was planned for sequences of up to {self.max_seq_len} tokens, this "
-                             f"call's block table reaches {max_blocks * block_size} ({max_blocks} blocks of "
-                             f"{block_size})")
-        if torch.device(device) != self.device:
-            raise ValueError(f"the workspace is on {self.device}, this call on {device}")
+        self._check_layout(num_q_heads, num_kv_heads, head_dim, max_blocks, block_size, device)
         return self.plan(num_rows, batch, window)
