@@ -12,13 +12,12 @@
 #include <optional>
 #include <tuple>
 
+#include "binding_common.h"
 #include "flash_decode.h"
 #include "layer_ops.h"
 
 namespace flashdecode {
 namespace {
-
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 void check_cuda(const at::Tensor& t, const char* name, const at::Device& device) {
   TORCH_CHECK(t.is_cuda() && t.device() == device, name, " must be on ", device, ", got ", t.device());
@@ -103,35 +102,12 @@ at::Tensor flash_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   c10::cuda::CUDAGuard guard(device);
   at::Tensor out = at::empty({batch, hq, d}, q.options());
   DecodeParams p{};
-  p.q = q.data_ptr();
+  set_attention_params(p, q, k_cache, v_cache, block_table, seq_lens, out, partial_out, partial_lse, scale, num_splits,
+                       window, kv_dtype, k_scale, v_scale);
   p.q_stride_b = q.stride(0);
-  p.q_stride_h = q.stride(1);
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.block_table = block_table.data_ptr<int32_t>();
-  p.block_table_stride = block_table.stride(0);
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.out = out.data_ptr();
-  p.partial_out = partial_out.data_ptr<float>();
-  p.partial_lse = partial_lse.data_ptr<float>();
   p.batch = static_cast<int>(batch);
-  p.num_q_heads = static_cast<int>(hq);
-  p.num_kv_heads = static_cast<int>(hkv);
-  p.head_dim = static_cast<int>(d);
-  p.block_size = static_cast<int>(bs);
-  p.max_blocks = static_cast<int>(block_table.size(1));
-  p.num_blocks = static_cast<int>(k_cache.size(0));
-  p.num_splits = static_cast<int>(num_splits);
-  p.scale = static_cast<float>(scale);
-  p.dtype = q.scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kHalf;
   p.three_per_sm = three_per_sm;
   p.read_ahead = read_ahead;
-  p.window = static_cast<int>(window);
-  p.kv_dtype = kv_dtype;
-  if (kv_dtype == KvDType::kInt8) {
-    p.k_scale = k_scale->data_ptr();
-    p.v_scale = v_scale->data_ptr();
-  }
   const cudaError_t err = launch_flash_decode(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_decode launch failed: ", cudaGetErrorString(err));
   return out;

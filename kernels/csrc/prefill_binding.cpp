@@ -11,12 +11,11 @@
 #include <initializer_list>
 #include <optional>
 
+#include "binding_common.h"
 #include "prefill.h"
 
 namespace flashdecode {
 namespace {
-
-bool is_aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_table, const at::Tensor& cu_query_starts, const at::Tensor& seq_lens,
@@ -27,12 +26,12 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache, &block_table, &cu_query_starts,
                                                                       &seq_lens, &partial_out, &partial_lse})
     TORCH_CHECK(t->is_cuda() && t->device() == device, "every tensor must be on ", device, ", got ", t->device());
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0 && is_aligned16(q),
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0 && aligned16(q),
               "q must be [T, Hq, D] with a contiguous last dim and 16-byte aligned rows");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, "q must be bf16 or fp16");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type() &&
-                  is_aligned16(k_cache) && is_aligned16(v_cache),
+                  aligned16(k_cache) && aligned16(v_cache),
               "k_cache and v_cache must be contiguous, 16-byte aligned [num_blocks, Hkv, block_size, D] of one shape");
   const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(int8 || k_cache.scalar_type() == q.scalar_type(), "caches must have q's dtype or be int8");
@@ -41,7 +40,7 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   if (int8)
     for (const at::Tensor* t : {&*k_scale, &*v_scale})
       TORCH_CHECK(t->is_cuda() && t->device() == device && t->scalar_type() == at::kHalf &&
-                      t->sizes() == k_cache.sizes().slice(0, 3) && t->is_contiguous() && is_aligned16(*t),
+                      t->sizes() == k_cache.sizes().slice(0, 3) && t->is_contiguous() && aligned16(*t),
                   "k_scale and v_scale must be contiguous, 16-byte aligned float16 [num_blocks, Hkv, block_size]");
   const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(1), bs = k_cache.size(2);
   const int64_t batch = block_table.size(0);
@@ -68,7 +67,7 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     TORCH_CHECK(rows <= 65535, "a call of several splits takes at most 65535 rows, got ", rows);
     TORCH_CHECK(partial_out.scalar_type() == at::kFloat && partial_out.is_contiguous() && partial_out.dim() == 3 &&
                     partial_out.size(0) >= rows * num_splits && partial_out.size(1) == hq && partial_out.size(2) == d &&
-                    is_aligned16(partial_out),
+                    aligned16(partial_out),
                 "partial_out must be 16-byte aligned float32 [>= T * num_splits, Hq, D]");   // the merge reads float4
     TORCH_CHECK(partial_lse.scalar_type() == at::kFloat && partial_lse.is_contiguous() &&
                     partial_lse.numel() >= rows * num_splits * hq,
@@ -78,36 +77,13 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   c10::cuda::CUDAGuard guard(device);
   at::Tensor out = at::empty({rows, hq, d}, q.options());
   PrefillParams p{};
-  p.q = q.data_ptr();
+  set_attention_params(p, q, k_cache, v_cache, block_table, seq_lens, out, partial_out, partial_lse, scale, num_splits,
+                       window, int8 ? KvDType::kInt8 : KvDType::kSameAsQuery, k_scale, v_scale);
   p.q_stride_t = q.stride(0);
-  p.q_stride_h = q.stride(1);
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.block_table = block_table.data_ptr<int32_t>();
-  p.block_table_stride = block_table.stride(0);
   p.cu_query_starts = cu_query_starts.data_ptr<int32_t>();
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.out = out.data_ptr();
-  p.partial_out = partial_out.data_ptr<float>();
-  p.partial_lse = partial_lse.data_ptr<float>();
   p.batch = static_cast<int>(batch);
   p.num_rows = static_cast<int>(rows);
-  p.num_q_heads = static_cast<int>(hq);
-  p.num_kv_heads = static_cast<int>(hkv);
-  p.head_dim = static_cast<int>(d);
-  p.block_size = static_cast<int>(bs);
-  p.max_blocks = static_cast<int>(block_table.size(1));
-  p.num_blocks = static_cast<int>(k_cache.size(0));
-  p.num_splits = static_cast<int>(num_splits);
   p.row_tiles = static_cast<int>(row_tiles);
-  p.scale = static_cast<float>(scale);
-  p.dtype = q.scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kHalf;
-  p.window = static_cast<int>(window);
-  p.kv_dtype = int8 ? KvDType::kInt8 : KvDType::kSameAsQuery;
-  if (int8) {
-    p.k_scale = k_scale->data_ptr();
-    p.v_scale = v_scale->data_ptr();
-  }
   const cudaError_t err = launch_flash_prefill(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flash_prefill launch failed: ", cudaGetErrorString(err));
   return out;
