@@ -114,17 +114,23 @@ def _check_cache(k_cache, v_cache, device, name="k_cache/v_cache"):
         raise ValueError("the caches must be 16-byte aligned")
 
 
+def _check_kernel_query(q):
+    """q [rows, Hq, D] as the kernels read it: a head_dim they are built for, 16-byte aligned rows."""
+    head_dim = q.shape[2]
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported by the CUDA kernel (supported: "
+                         f"{', '.join(map(str, HEAD_DIMS))})")
+    if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or _misaligned(q):
+        raise ValueError("q needs a contiguous last dim and 16-byte aligned rows (call q.contiguous())")
+
+
 def _validate_decode(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q must be bfloat16 or float16 on CUDA, got {q.dtype}")
     batch, num_q_heads, head_dim = q.shape
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported by the CUDA kernel (supported: "
-                         f"{', '.join(map(str, HEAD_DIMS))})")
-    if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or _misaligned(q):
-        raise ValueError("q needs a contiguous last dim and 16-byte aligned rows (call q.contiguous())")
+    _check_kernel_query(q)
     _check_cache(k_cache, v_cache, q.device)
     if k_cache.dtype not in (q.dtype, INT8):
         raise ValueError(f"the caches are {k_cache.dtype} but q is {q.dtype} (caches hold q's dtype or {INT8})")
@@ -219,11 +225,7 @@ def flash_prefill_cuda(q, k_cache, v_cache, block_table, cu_query_starts, seq_le
         q, k_cache, v_cache, block_table, cu_query_starts, seq_lens, k_scale, v_scale)
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q must be bfloat16 or float16 on CUDA, got {q.dtype}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported by the CUDA kernel (supported: "
-                         f"{', '.join(map(str, HEAD_DIMS))})")
-    if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or _misaligned(q):
-        raise ValueError("q needs a contiguous last dim and 16-byte aligned rows (call q.contiguous())")
+    _check_kernel_query(q)
     _check_cache(k_cache, v_cache, q.device)
     if not supported_block_size(block_size):
         raise ValueError(f"block_size {block_size} is not supported: {SUPPORTED_BLOCK_SIZE_RULE}")
