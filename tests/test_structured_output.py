@@ -128,7 +128,9 @@ def test_grammar_rows_mix_with_free_rows_and_greedy_matches_masked_argmax(engine
                       "required": ["n"]})
     mixed = run_all(engine, [(prompt, free), (prompt, SamplingParams(max_new_tokens=12, grammar=spec)), (prompt, free)])
     assert mixed[0][0] == alone and mixed[2][0] == alone
-    constrained = mixed[1][0]
+    constrained, _, finish = mixed[1]
+    assert finish.reason in ("length", "eos") and finish.error is None, finish
+    assert len(constrained) == 12 or finish.reason == "eos"
     # the reference: the full forward's logits, masked by a fresh matcher, argmax step by step
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
         tiny.tokenizer, vocab_size=49152, stop_token_ids=sorted(tiny.eos_token_ids))).compile_json_schema(
