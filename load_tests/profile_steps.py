@@ -3,6 +3,7 @@ the top host and device operations (torch.profiler), with a Chrome trace per ste
 
     python -m load_tests.profile_steps --model random:smollm2-135m --out results/profile
     python -m load_tests.profile_steps --batch 1 --shared-prefix 2048 --prefix-batch 1 16   # prefills after a cached prefix
+    python -m load_tests.profile_steps --batch 1 64 --schema   # decode steps under a JSON schema per request
 """
 
 import argparse
@@ -18,6 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from models import load_model
 from server.engine import EngineConfig, EngineCore, SamplingParams
+
+from .structured_bench import stream_schema
 
 
 def timed(fn, repeats: int) -> float:
@@ -42,12 +45,14 @@ def host_profile(fn, sort_by: str, lines: int) -> str:
     return text.getvalue()
 
 
-def steady_decode(core, batch: int, prompt, counter) -> list[str]:
-    """Adds ``batch`` long requests and steps until every one is decoding; returns their ids."""
+def steady_decode(core, batch: int, prompt, counter, schema: bool = False) -> list[str]:
+    """Adds ``batch`` long requests (with ``schema``, each under a JSON schema of its own) and steps
+    until every one is decoding; returns their ids."""
     ids = [f"d{next(counter)}" for _ in range(batch)]
-    for request_id in ids:
-        core.add(request_id, prompt, SamplingParams(max_new_tokens=100_000, ignore_eos=True), seed=0)
-    while core.scheduler.waiting:
+    for i, request_id in enumerate(ids):
+        grammar = stream_schema(i, 100_000) if schema else None
+        core.add(request_id, prompt, SamplingParams(max_new_tokens=100_000, ignore_eos=True, grammar=grammar), seed=0)
+    while core.scheduler.waiting or core.compiling:
         core.step()
     for _ in range(3):
         core.step()
@@ -99,6 +104,8 @@ def main(argv=None):
                     help="also time prefills of prompts that start with this many cached tokens")
     ap.add_argument("--prefix-batch", type=int, nargs="+", default=[1, 16],
                     help="prompts per prefill step after the cached prefix")
+    ap.add_argument("--schema", action="store_true",
+                    help="decode steps with each request under a JSON schema of its own (structured output)")
     ap.add_argument("--out", type=Path, default=Path("results/profile"))
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -138,9 +145,10 @@ def main(argv=None):
     if args.shared_prefix:
         rows += prefix_rows(core, args, counter, report)
     for batch in args.batch:
-        started = steady_decode(core, batch, prompt, counter)
+        started = steady_decode(core, batch, prompt, counter, args.schema)
         elapsed = timed(lambda: [core.step() for _ in range(40)], 1) / 40
-        rows.append((f"decode step, B={batch} (all running, no prefill)", elapsed))
+        rows.append((f"decode step, B={batch} (all running, no prefill{', a JSON schema each' if args.schema else ''})",
+                     elapsed))
         bucket = core.runner.bucket_for(batch)
         if bucket is not None:
             # each replay feeds its own greedy ids to the next: the tokens of these requests no

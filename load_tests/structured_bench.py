@@ -24,6 +24,7 @@ import torch
 
 from models import load_model
 from server.engine import EngineConfig, EngineCore, FinishEvent, SamplingParams
+from server.engine.grammar import TokenMasks
 from server.engine.params import GrammarSpec
 
 from .engine_bench import random_prompts
@@ -57,17 +58,28 @@ def serve(core: EngineCore, prompts, specs, new_tokens: int) -> tuple[float, lis
 
 
 def throughput(core, args, vocab: int) -> list[dict]:
+    """Per batch size: tokens/s of each case (median of the rounds), ratios to the free case,
+    and every round's figure. ``--fill-threads`` adds the own-schema case with token masks filled
+    by that many threads."""
+    masks = core.runner.token_masks
+    fill_threads = {None: masks}
+    for threads in args.fill_threads:
+        fill_threads[str(threads)] = TokenMasks(core.runner.max_batch, masks.vocab_size, masks.device, threads)
     rows = []
     for batch in args.batch:
         items = args.new_tokens
         cases = {"free": [None] * batch, "schemas": [stream_schema(i, items) for i in range(batch)]}
         if batch > 1:
             cases["one_schema"] = [stream_schema(0, items)] + [None] * (batch - 1)
+        for threads in args.fill_threads:
+            cases[f"schemas_{threads}_threads"] = cases["schemas"]
         serve(core, random_prompts(batch, args.prompt_len, vocab, 0), cases["schemas"], 8)      # compiles, warms
         samples = {name: [] for name in cases}
         for r in range(args.repeats):
             for c, (name, specs) in enumerate(cases.items()):      # prompts of their own: no prefix-cache hits
                 prompts = random_prompts(batch, args.prompt_len, vocab, 1 + 10 * r + c)
+                threads = name.split("_")[1] if name.endswith("_threads") else None
+                core.runner.token_masks = fill_threads[threads]
                 elapsed, _ = serve(core, prompts, specs, args.new_tokens)
                 samples[name].append(batch * args.new_tokens / elapsed)
         best = {name: statistics.median(v) for name, v in samples.items()}
@@ -75,6 +87,8 @@ def throughput(core, args, vocab: int) -> list[dict]:
                "schemas_ratio": round(best["schemas"] / best["free"], 3)}
         if "one_schema" in best:
             row["one_schema_ratio"] = round(best["one_schema"] / best["free"], 3)
+        for threads in args.fill_threads:
+            row[f"schemas_{threads}_threads_ratio"] = round(best[f"schemas_{threads}_threads"] / best["free"], 3)
         row["spread"] = {k: [round(x, 1) for x in v] for k, v in samples.items()}
         rows.append(row)
     return rows
@@ -101,6 +115,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ttft-samples", type=int, default=5)
+    parser.add_argument("--fill-threads", type=int, nargs="*", default=[],
+                        help="also the own-schema case with masks filled by this many threads")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -120,6 +136,12 @@ def main() -> None:
     for row in result["throughput"]:
         print(f"| {row['batch']} | {row['free_tok_s']} | {row['schemas_tok_s']} | {row['schemas_ratio']} | "
               f"{row.get('one_schema_tok_s', '-')} | {row.get('one_schema_ratio', '-')} |")
+    for row in result["throughput"]:
+        spread = ", ".join(f"{name} {min(v):.0f}-{max(v):.0f}" for name, v in row["spread"].items())
+        print(f"B={row['batch']}: every round's tok/s: {spread}")
+        for threads in args.fill_threads:
+            print(f"B={row['batch']}: own schema each, masks filled by {threads} threads: "
+                  f"{row[f'schemas_{threads}_threads_tok_s']} tok/s, {row[f'schemas_{threads}_threads_ratio']}")
     t = result["ttft_ms"]
     print(f"time to first token (ms, median): new schema {t['new_schema']}, same schema again "
           f"{t['cached_schema']}, no schema {t['free']}")

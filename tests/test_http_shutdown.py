@@ -199,8 +199,6 @@ def test_streams_running_past_the_timeout_are_ended_with_a_proper_last_event(tmp
                                                                              device):
     """The engine process must not die of a signal to the group before the workers have ended
     their streams."""
-    if device == "cuda" and (target, times) != ("group", 1):
-        pytest.skip("on the GPU: the group signal sent once")
     hurried = sig == signal.SIGINT and times == 2
     timeout = 30 if hurried else 2
     server = Server(tmp_path / "server.log", "--shutdown-timeout", str(timeout), "--api-workers", workers,

@@ -8,6 +8,7 @@ import time
 
 import jsonschema
 import pytest
+import torch
 import xgrammar as xgr
 from fastapi.testclient import TestClient
 
@@ -127,7 +128,9 @@ def test_grammar_rows_mix_with_free_rows_and_greedy_matches_masked_argmax(engine
                       "required": ["n"]})
     mixed = run_all(engine, [(prompt, free), (prompt, SamplingParams(max_new_tokens=12, grammar=spec)), (prompt, free)])
     assert mixed[0][0] == alone and mixed[2][0] == alone
-    constrained = mixed[1][0]
+    constrained, _, finish = mixed[1]
+    assert finish.reason in ("length", "eos") and finish.error is None, finish
+    assert len(constrained) == 12 or finish.reason == "eos"
     # the reference: the full forward's logits, masked by a fresh matcher, argmax step by step
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
         tiny.tokenizer, vocab_size=49152, stop_token_ids=sorted(tiny.eos_token_ids))).compile_json_schema(
@@ -135,7 +138,6 @@ def test_grammar_rows_mix_with_free_rows_and_greedy_matches_masked_argmax(engine
     matcher = xgr.GrammarMatcher(compiled)
     masks = TokenMasks(1, 49152, tiny.device)
     ids = list(prompt)
-    import torch
     with torch.inference_mode():
         for token in constrained:
             logits = tiny.model(torch.tensor([ids])).logits[0, -1:].float()
@@ -150,6 +152,36 @@ def test_grammar_rows_mix_with_free_rows_and_greedy_matches_masked_argmax(engine
                 assert token == top.indices[0].item()
             assert matcher.accept_token(token)
             ids.append(token)
+
+
+@pytest.mark.parametrize("constrained", [3, 20])
+def test_a_batch_fill_sets_exactly_each_matchers_own_mask(tiny, constrained):
+    """Few rows fill on the calling thread, many on the fill thread: either way each constrained
+    row gets its own matcher's mask (different grammars, at different points), the others none."""
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
+        tiny.tokenizer, vocab_size=49152, stop_token_ids=sorted(tiny.eos_token_ids)))
+
+    class Row:
+        def __init__(self, matcher=None):
+            self.matcher, self.is_finished = matcher, False
+    rows = []
+    for i in range(constrained):
+        matcher = xgr.GrammarMatcher(compiler.compile_regex(f"[a-z]{{{i % 5 + 1},9}}=(0|[1-9][0-9]*)" if i % 2 else
+                                                            r"(yes|no|maybe)"))
+        assert matcher.accept_string("ab"[: i % 3] if i % 2 else "m"[: i % 3])
+        rows += [Row(matcher)] + ([Row()] if i % 4 == 0 else [])     # free rows between
+    masks = TokenMasks(len(rows), 49152, tiny.device, fill_threads=2)
+    masks._hosts[0].fill_(0x5A5A5A5A)                  # poison: a row left unfilled would keep it
+    masks._hosts[1].fill_(0x5A5A5A5A)
+    bitmask, indices = masks.start_fill(rows).result()
+    constrained_rows = [i for i, r in enumerate(rows) if r.matcher is not None]
+    assert (indices is None) == (len(constrained_rows) == len(rows))
+    if indices is not None:
+        assert indices.tolist() == constrained_rows
+    expected = xgr.allocate_token_bitmask(1, 49152)
+    for i in constrained_rows:
+        rows[i].matcher.fill_next_token_bitmask(expected)
+        assert torch.equal(bitmask[i], expected[0]), i
 
 
 def test_abort_and_finish_drop_the_tokens_in_flight(engine):

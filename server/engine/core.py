@@ -320,10 +320,13 @@ class EngineCore:
         constrain = None
         if self.constrained and any(seq.matcher is not None for seq in work.seqs):
             def constrain(previous: Sampled | None):
-                """The previous step's tokens applied (matchers advanced), then this step's mask,
-                filled while the device runs the step's forward."""
-                events.extend(self._emit(previous))
-                return self.runner.token_masks.fill(work.seqs)
+                """This step's mask, filled while the device runs the step's forward: the previous
+                step's tokens advance the matchers, the fill starts, and the rest of their
+                bookkeeping runs beside it."""
+                verdicts = self._advance_matchers(previous)
+                pending = self.runner.token_masks.start_fill(work.seqs)
+                events.extend(self._emit(previous, verdicts))
+                return pending.result() if pending is not None else None
         sampled = self.runner.decode_step(work.seqs, self._sampling_rows(work.seqs), constrain)
         return events + self._emit(sampled)
 
@@ -366,12 +369,33 @@ class EngineCore:
             penalty_rows=([s.penalty_row for s in seqs] if any(s.penalty_row >= 0 for s in seqs) else None),
         )
 
-    def _emit(self, sampled: Sampled | None) -> list[tuple[str, object]]:
+    @staticmethod
+    def _advance_matchers(sampled: Sampled | None) -> list[str | None] | None:
+        """The read-back tokens given to their sequences' grammar matchers. Per sequence: None
+        (no matcher, or ended), "rejected", "complete" (nothing more may follow) or "open"; read
+        here, before a fill starts, so nothing else touches the matchers while it runs."""
+        if sampled is None:
+            return None
+        verdicts = []
+        for seq, token in zip(sampled.seqs, sampled.ids):
+            matcher = seq.matcher
+            if matcher is None or seq.is_finished:
+                verdicts.append(None)
+            elif not matcher.accept_token(token):
+                verdicts.append("rejected")
+            else:
+                verdicts.append("complete" if matcher.is_terminated() else "open")
+        return verdicts
+
+    def _emit(self, sampled: Sampled | None, grammar: list[str | None] | None = None) -> list[tuple[str, object]]:
         """Apply read-back tokens; sequences that ended meanwhile (an abort, say) drop theirs.
-        Events carry token ids only: the front end turns them into text (``output.py``)."""
+        Events carry token ids only: the front end turns them into text (``output.py``).
+        ``grammar``: ``_advance_matchers`` of ``sampled``, where it ran already."""
         if sampled is None:
             return []
         seqs, token_ids, token_logprobs, waited = sampled
+        if grammar is None:
+            grammar = self._advance_matchers(sampled)
         self.step_stats.device_wait_s += waited
         now = time.monotonic()
         events = []
@@ -379,10 +403,10 @@ class EngineCore:
             if not seq.is_finished:
                 self.sampled_tokens += 1
                 logprobs = token_logprobs[i] if token_logprobs is not None else None
-                events.extend(self._append_token(seq, token_ids[i], logprobs, now))
+                events.extend(self._append_token(seq, token_ids[i], logprobs, now, grammar[i]))
         return events
 
-    def _append_token(self, seq: Sequence, token: int, logprobs, now: float):
+    def _append_token(self, seq: Sequence, token: int, logprobs, now: float, grammar: str | None):
         seq.append(token)
         cached = None
         prompt_logprobs = None
@@ -394,13 +418,13 @@ class EngineCore:
         eos = token in self.eos_ids
         params = seq.params
         may_stop = len(seq.output_ids) > params.min_tokens
-        if seq.matcher is not None and not seq.matcher.accept_token(token):
+        if grammar == "rejected":
             return ((seq.request_id, self._finish(seq, "error", f"token {token} breaks the request's grammar")),)
         if eos and not params.ignore_eos and may_stop:
             reason = "eos"
         elif token in params.stop_token_ids and may_stop:
             reason = "stop"
-        elif seq.matcher is not None and seq.matcher.is_terminated():
+        elif grammar == "complete":
             reason = "eos"                         # the grammar is complete: nothing more may follow
         elif len(seq.output_ids) >= params.max_new_tokens or seq.length >= self.max_model_len:
             reason = "length"

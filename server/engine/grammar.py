@@ -18,6 +18,7 @@ import torch
 import xgrammar as xgr
 
 from .params import GrammarSpec
+from .sampler import argmax_rows
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +26,9 @@ log = logging.getLogger(__name__)
 # write whitespace can write nothing else until its token limit.
 JSON_OPTIONS = dict(any_whitespace=False, strict_mode=True)
 JSON_OBJECT = '{"type": "object"}'      # OpenAI's json_object: an object (xgrammar's builtin JSON is any value)
-FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+FILL_THREADS = max(1, min(2, (os.cpu_count() or 2) // 2))   # more threads wake late (docs/structured-output.md)
 ROWS_PER_FILL_THREAD = 4        # a batch of fewer than twice this fills on one thread
+BACKGROUND_FILL_ROWS = 8        # from this many constrained rows the fill runs beside the bookkeeping
 COMPILE_ERRORS = (RuntimeError, ValueError, TypeError)       # xgrammar's own errors derive from RuntimeError
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -141,9 +143,12 @@ class TokenMasks:
     """The bitmask of a step's constrained rows: filled on the host, applied on the device.
 
     Two host buffers take turns (pinned on CUDA), so a fill never overwrites a buffer whose copy
-    to the device may still be pending."""
+    to the device may still be pending. A batch of ``BACKGROUND_FILL_ROWS`` constrained rows or
+    more fills on a thread of its own (xgrammar releases the GIL while it fills), so the engine's
+    per-token bookkeeping runs meanwhile; smaller batches fill on the calling thread, where
+    handing over costs more than the fill."""
 
-    def __init__(self, max_batch: int, vocab_size: int, device: torch.device):
+    def __init__(self, max_batch: int, vocab_size: int, device: torch.device, fill_threads: int = FILL_THREADS):
         self.vocab_size = vocab_size
         self.device = device
         pin = device.type == "cuda"
@@ -155,30 +160,56 @@ class TokenMasks:
         self._device = xgr.allocate_token_bitmask(max_batch, vocab_size).to(device) if pin else None
         self._turn = 0
         # Waking a pool costs more than a few rows' fills (one row: 60 us alone, 270 us through two
-        # threads), so small batches fill on the calling thread.
+        # threads), so small batches fill on one thread.
         self._serial = xgr.BatchGrammarMatcher(1)
-        self._pooled = xgr.BatchGrammarMatcher(FILL_THREADS)
+        self._pooled = xgr.BatchGrammarMatcher(fill_threads) if fill_threads > 1 else self._serial
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-fill")
 
-    def fill(self, seqs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The bitmask for ``seqs`` on the device and the indices of the rows it constrains (those
-        with a live matcher; None: all), or None when no row is constrained."""
+    def start_fill(self, seqs) -> "PendingMask | None":
+        """Starts filling the bitmask rows of ``seqs`` that have a live matcher (their matchers
+        must not change until ``PendingMask.result``); None when no row is constrained."""
         rows = [i for i, s in enumerate(seqs)
                 if s.matcher is not None and not s.is_finished and not s.matcher.is_terminated()]
         if not rows:
             return None
         self._turn ^= 1
         host = self._hosts[self._turn]
+        matchers = [seqs[i].matcher for i in rows]
         filler = self._pooled if len(rows) >= ROWS_PER_FILL_THREAD * 2 else self._serial
-        filler.batch_fill_next_token_bitmask([seqs[i].matcher for i in rows], host, indices=rows)
-        n = len(seqs)
         indices = None
-        if len(rows) < n:
+        if len(rows) < len(seqs):
             indices = self._rows[self._turn][:len(rows)]
             indices.numpy()[:] = rows
+        if len(rows) >= BACKGROUND_FILL_ROWS:
+            done = self._background.submit(filler.batch_fill_next_token_bitmask, matchers, host, indices=rows)
+        else:
+            filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
+            done = None
+        return PendingMask(self, host, len(seqs), (rows[0], rows[-1] + 1), indices, done)
+
+    def fill(self, seqs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The bitmask for ``seqs`` on the device and the indices of the rows it constrains (those
+        with a live matcher; None: all), or None when no row is constrained."""
+        pending = self.start_fill(seqs)
+        return pending.result() if pending is not None else None
+
+    def _to_device(self, host: torch.Tensor, n: int, span: tuple[int, int], indices: torch.Tensor | None):
+        """The first ``n`` rows of the bitmask on the device; only the rows from the first
+        constrained one to the last are copied (the others are never read)."""
         if self._device is None:
             return host[:n], indices
-        self._device[:n].copy_(host[:n], non_blocking=True)
+        first, end = span
+        self._device[first:end].copy_(host[first:end], non_blocking=True)
         return self._device[:n], indices            # xgrammar copies the (pinned) indices without waiting
+
+    def greedy_ids(self, logits: torch.Tensor, unmasked: torch.Tensor | None, mask) -> torch.Tensor:
+        """The argmax of each row of the masked ``logits``, given ``unmasked``, that of the logits
+        before the mask (None: not known): only the constrained rows are searched again."""
+        bitmask, indices = mask
+        if unmasked is None or indices is None:
+            return argmax_rows(logits)
+        rows = indices.to(device=logits.device, dtype=torch.int64, non_blocking=True)
+        return unmasked.index_copy(0, rows, argmax_rows(logits.index_select(0, rows)))
 
     def apply(self, logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor | None]) -> None:
         """Masked tokens' logits set to -inf, in place, on the rows ``fill`` named."""
@@ -193,3 +224,17 @@ class TokenMasks:
         bitmask = (self._device if self._device is not None else self._hosts[0])[:2]
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=self._rows[0][:1])
+
+
+class PendingMask:
+    """A step's bitmask being filled (``TokenMasks.start_fill``)."""
+
+    def __init__(self, masks: TokenMasks, host: torch.Tensor, n: int, span: tuple[int, int],
+                 indices: torch.Tensor | None, done: Future | None):
+        self._masks, self._host, self._n, self._span, self._indices, self._done = masks, host, n, span, indices, done
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The filled bitmask on the device and the indices of its rows (``TokenMasks.fill``)."""
+        if self._done is not None:
+            self._done.result()
+        return self._masks._to_device(self._host, self._n, self._span, self._indices)

@@ -259,7 +259,7 @@ class ModelRunner:
         mask = constrain(self.pipeline.take_inflight()) if constrain is not None else None
         if mask is not None:
             self.token_masks.apply(logits, mask)
-            greedy = None                              # the graph's argmax saw the unmasked logits
+            greedy = self.token_masks.greedy_ids(logits, greedy, mask)   # the graph's saw the unmasked logits
         if mask is not None or not rows.greedy_only:   # else the step wrote its ids already
             ids, logprobs = sample_clean(logits, rows, greedy, self.penalties)
         for seq in seqs:

@@ -42,8 +42,17 @@ def test_schemas_hold_under_cuda_graphs_beside_free_rows():
                     for i, s in enumerate(all_schemas)] + [([7, 8, 9], free)] * 8
         done = run_all(engine, requests)
         assert replays["n"] > 0
-        alone = run_all(engine, [([7, 8, 9], free)])[0][0]
-        assert all(tokens == alone for tokens, _, _ in done[len(all_schemas):])
+        # the free rows were not masked: each token is the greedy choice of the model's own forward
+        # (within bf16's error: a batch of 76 and a batch of 1 round differently, so near ties may flip)
+        exact = 0
+        for tokens, _, _ in done[len(all_schemas):]:
+            with torch.inference_mode():
+                logits = loaded.model(torch.tensor([[7, 8, 9] + tokens[:-1]], device="cuda")).logits[0, 2:].float()
+            best = logits.max(dim=-1).values
+            chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+            assert (chosen >= best - 0.05).all(), (best - chosen).max()
+            exact += (chosen == best).sum().item()
+        assert exact >= 0.75 * 8 * 64
         complete = 0
         for schema, (_, text, finish) in zip(all_schemas, done):
             if finish.reason == "length":                       # random weights: a string without end
