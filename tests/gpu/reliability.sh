@@ -5,9 +5,11 @@
 set -u
 OUT=${OUT:-/tmp/reliability}
 mkdir -p "$OUT"
-PY=${PY:-python}
+PY=${PY:-python3}
 BEFORE=${1:-}
-$PY -m pytest -q -rs tests/test_http_shutdown.py -k "cuda" > "$OUT/shutdown_cuda.log" 2>&1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source tests/gpu/carried_wheels.sh
+$PY -m pytest -q -rs -m gpu tests/test_http_shutdown.py -k "cuda" > "$OUT/shutdown_cuda.log" 2>&1
 echo "group-signal tests on CUDA: $(tail -1 "$OUT/shutdown_cuda.log")" > "$OUT/summary.txt"
 taskset -c 0,1 $PY -m load_tests.cpu_responsiveness --busy 2 --prompt-tokens 4000 \
     --out "$OUT/cpu_responsiveness_after.json" > "$OUT/cpu_responsiveness_after.log" 2>&1
