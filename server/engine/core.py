@@ -394,7 +394,7 @@ class EngineCore:
         if sampled is None:
             return []
         seqs, token_ids, token_logprobs, waited = sampled
-        if grammar is None:
+        if grammar is None and self.constrained:
             grammar = self._advance_matchers(sampled)
         self.step_stats.device_wait_s += waited
         now = time.monotonic()
@@ -403,7 +403,7 @@ class EngineCore:
             if not seq.is_finished:
                 self.sampled_tokens += 1
                 logprobs = token_logprobs[i] if token_logprobs is not None else None
-                events.extend(self._append_token(seq, token_ids[i], logprobs, now, grammar[i]))
+                events.extend(self._append_token(seq, token_ids[i], logprobs, now, grammar[i] if grammar else None))
         return events
 
     def _append_token(self, seq: Sequence, token: int, logprobs, now: float, grammar: str | None):
