@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 # write whitespace can write nothing else until its token limit.
 JSON_OPTIONS = dict(any_whitespace=False, strict_mode=True)
 JSON_OBJECT = '{"type": "object"}'      # OpenAI's json_object: an object (xgrammar's builtin JSON is any value)
-FILL_THREADS = max(1, min(2, (os.cpu_count() or 2) // 2))   # more varied more (docs/log.md, 2026-12-06)
+FILL_THREADS = max(1, min(2, (os.cpu_count() or 2) // 2))   # 4 or 8: faster at best, far slower at worst (docs/log.md)
 ROWS_PER_FILL_THREAD = 4        # a batch of fewer than twice this fills on one thread
 BACKGROUND_FILL_ROWS = 8        # from this many constrained rows the fill runs beside the bookkeeping
 COMPILE_ERRORS = (RuntimeError, ValueError, TypeError)       # xgrammar's own errors derive from RuntimeError
