@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 import xgrammar as xgr
@@ -164,6 +164,7 @@ class TokenMasks:
         self._serial = xgr.BatchGrammarMatcher(1)
         self._pooled = xgr.BatchGrammarMatcher(fill_threads) if fill_threads > 1 else self._serial
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-fill")
+        self._filling: Future | None = None       # the last fill started on that thread
 
     def start_fill(self, seqs) -> "PendingMask | None":
         """Starts filling the bitmask rows of ``seqs`` that have a live matcher (their matchers
@@ -172,6 +173,8 @@ class TokenMasks:
                 if s.matcher is not None and not s.is_finished and not s.matcher.is_terminated()]
         if not rows:
             return None
+        if self._filling is not None:
+            wait([self._filling])                 # a step that failed may have left one running
         self._turn ^= 1
         host = self._hosts[self._turn]
         matchers = [seqs[i].matcher for i in rows]
@@ -181,7 +184,8 @@ class TokenMasks:
             indices = self._rows[self._turn][:len(rows)]
             indices.numpy()[:] = rows
         if len(rows) >= BACKGROUND_FILL_ROWS:
-            done = self._background.submit(filler.batch_fill_next_token_bitmask, matchers, host, indices=rows)
+            done = self._filling = self._background.submit(filler.batch_fill_next_token_bitmask, matchers, host,
+                                                           indices=rows)
         else:
             filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
             done = None
