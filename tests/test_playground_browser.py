@@ -324,11 +324,14 @@ def test_keyboard_alone(live_server, page_on):
     page.focus("#max_tokens")
     page.keyboard.press("Control+A")
     page.keyboard.type("3")
+    page.focus("#seed")              # sampled at temperature 0.7: a seed keeps the answer (and its end) the same
+    page.keyboard.type("1")
     page.focus("#prompt")
     page.keyboard.press("Enter")
     wait_answered(page)
     assert page.locator(".msg.user .content").text_content() == "first line\nsecond line"
-    assert "finish: length" in last_message(page)["stats"]
+    stats = last_message(page)["stats"]
+    assert "3 tokens" in stats and "finish: length" in stats, stats
     assert page.evaluate("document.activeElement.id") == "prompt"
     assert p.errors == []
 
