@@ -152,11 +152,15 @@ def test_a_question_streams_an_answer_with_its_numbers(live_server, page_on):
     page = p.open()
     set_field(page, "temperature", "0")
     record_paints(page)
-    answer = ask(page, QUESTION)
-    assert "Paris" in answer["text"], answer
-    paints = [text.strip() for text in page.evaluate("window.__paints")]
-    # streamed: more than one text, each growing the one before (a busy host delivers several
-    # tokens in one read, so how many texts there are is not the page's to choose)
+    # streamed: more than one text, each growing the one before. A busy host delivers several
+    # tokens in one read (a short answer may come whole), so the question is asked up to 3 times.
+    for _ in range(3):
+        page.evaluate("() => { window.__paints = []; }")
+        answer = ask(page, QUESTION)
+        assert "Paris" in answer["text"], answer
+        paints = [text.strip() for text in page.evaluate("window.__paints")]
+        if len(paints) >= 2:
+            break
     assert len(paints) >= 2 and all(b.startswith(a) and b != a for a, b in zip(paints, paints[1:])), paints
     stats = answer["stats"]
     assert re.search(r"TTFT \d+(\.\d+)? m?s", stats) and re.search(r"\d+\.\d tok/s", stats), stats
@@ -362,6 +366,7 @@ def test_the_api_key_is_asked_for_and_sent(guarded_server, page_on):
     page.wait_for_selector("#model-name:has-text('SmolLM2')", timeout=10_000)
     page.wait_for_function("() => /^\\d+$/.test(document.getElementById('m-running').textContent)", timeout=10_000)
     set_field(page, "max_tokens", "2")
+    set_field(page, "temperature", "0")              # greedy: "Hi" cannot end before its 2 tokens by chance
     answer = ask(page, "Hi")
     assert "finish: length" in answer["stats"], answer
     api = [auth for url, auth in sent if "/v1/" in url or url.endswith("/metrics")]
