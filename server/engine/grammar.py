@@ -158,6 +158,7 @@ class TokenMasks:
             self._hosts = [h.pin_memory() for h in self._hosts]
             self._rows = [r.pin_memory() for r in self._rows]
         self._device = xgr.allocate_token_bitmask(max_batch, vocab_size).to(device) if pin else None
+        self._device_rows = torch.zeros(max_batch, dtype=torch.int32, device=device) if pin else None
         self._turn = 0
         # Waking a pool costs more than a few rows' fills (one row: 60 us alone, 270 us through two
         # threads), so small batches fill on one thread.
@@ -204,7 +205,9 @@ class TokenMasks:
             return host[:n], indices
         first, end = span
         self._device[first:end].copy_(host[first:end], non_blocking=True)
-        return self._device[:n], indices            # xgrammar copies the (pinned) indices without waiting
+        if indices is not None:                     # once, for the mask's application and the argmax
+            indices = self._device_rows[:indices.shape[0]].copy_(indices, non_blocking=True)
+        return self._device[:n], indices
 
     def greedy_ids(self, logits: torch.Tensor, unmasked: torch.Tensor | None, mask) -> torch.Tensor:
         """The argmax of each row of the masked ``logits``, given ``unmasked``, that of the logits
@@ -212,8 +215,7 @@ class TokenMasks:
         bitmask, indices = mask
         if unmasked is None or indices is None:
             return argmax_rows(logits)
-        rows = indices.to(device=logits.device, dtype=torch.int64, non_blocking=True)
-        return unmasked.index_copy(0, rows, argmax_rows(logits.index_select(0, rows)))
+        return unmasked.index_put((indices,), argmax_rows(logits.index_select(0, indices)))
 
     def apply(self, logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor | None]) -> None:
         """Masked tokens' logits set to -inf, in place, on the rows ``fill`` named."""
