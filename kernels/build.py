@@ -18,7 +18,8 @@ import torch
 from .constants import nvcc_defines
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("flash_decode.cu", "write_kv.cu", "layer_ops.cu", "prefill.cu", "binding.cpp", "prefill_binding.cpp")
+SOURCES = ("flash_decode.cu", "write_kv.cu", "layer_ops.cu", "prefill.cu", "grammar_argmax.cu", "binding.cpp",
+           "prefill_binding.cpp", "grammar_binding.cpp")
 EXTENSION_NAME = "flashdecode_ext"
 ARCH_FLAGS = ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
 DEFINES = nvcc_defines()    # the constants shared with Python (constants.py)

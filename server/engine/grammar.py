@@ -17,6 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 import xgrammar as xgr
 
+from kernels.grammar_argmax import grammar_argmax
+
 from .params import GrammarSpec
 from .sampler import argmax_rows
 
@@ -216,6 +218,12 @@ class TokenMasks:
         if unmasked is None or indices is None:
             return argmax_rows(logits)
         return unmasked.index_put((indices,), argmax_rows(logits.index_select(0, indices)))
+
+    def argmax_into(self, logits: torch.Tensor, mask, ids: torch.Tensor) -> None:
+        """The argmax of each constrained row of ``logits`` among the tokens its mask allows,
+        written into ``ids`` (int32, one per row); the other rows' ids are left as they are."""
+        bitmask, indices = mask
+        grammar_argmax(logits, bitmask, indices, ids, self.vocab_size)
 
     def apply(self, logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor | None]) -> None:
         """Masked tokens' logits set to -inf, in place, on the rows ``fill`` named."""

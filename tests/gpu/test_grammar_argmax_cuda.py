@@ -1,0 +1,62 @@
+"""kernels.grammar_argmax on the GPU: the kernel against the CPU reference (itself checked against
+a loop and xgrammar's masking in tests/test_grammar_argmax.py), token for token, on fresh random
+logits and masks of real vocabulary sizes, with ties, -inf and NaN logits, rows that allow nothing
+and listed or all rows; the ids of rows not listed are poisoned and must stay so. Also replayed
+from a CUDA graph, as the decode step would."""
+
+import pytest
+import torch
+
+from kernels.grammar_argmax import grammar_argmax, reference_grammar_argmax
+
+from ..test_grammar_argmax import POISON, random_case
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+DEVICE = torch.device("cuda")
+
+
+def prepared(batch: int, vocab: int, density: float):
+    seed = int(torch.randint(0, 2**31, ()).item())
+    logits, bitmask, allowed = random_case(batch, vocab, seed, density)
+    logits[0, allowed[0]] = float("-inf")
+    logits[1, 5::11] = float("nan")
+    bitmask[2] = 0
+    return seed, logits, bitmask
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936, 128256, 262144, 1000, 33])
+@pytest.mark.parametrize("density", [0.001, 0.3, 1.0])
+@pytest.mark.parametrize("listed", ["all", "some", "one"])
+def test_kernel_matches_reference(vocab, density, listed):
+    batch = 9
+    seed, logits, bitmask = prepared(batch, vocab, density)
+    rows = {"all": None, "some": torch.tensor([8, 0, 2, 1, 5], dtype=torch.int32),
+            "one": torch.tensor([6], dtype=torch.int32)}[listed]
+    expected = torch.full((batch + 3,), POISON, dtype=torch.int32)
+    reference_grammar_argmax(logits, bitmask, rows, expected, vocab)
+    ids = torch.full((batch + 3,), POISON, dtype=torch.int32, device=DEVICE)
+    grammar_argmax(logits.to(DEVICE), bitmask.to(DEVICE), rows.to(DEVICE) if rows is not None else None, ids, vocab)
+    torch.cuda.synchronize()
+    assert torch.equal(ids.cpu(), expected), (seed, (ids.cpu() != expected).nonzero().flatten().tolist())
+
+
+def test_kernel_replays_from_a_graph_over_new_inputs():
+    batch, vocab = 64, 49152
+    logits = torch.empty(batch, vocab, device=DEVICE)
+    bitmask = torch.empty(batch, (vocab + 31) // 32, dtype=torch.int32, device=DEVICE)
+    rows = torch.arange(0, batch, 3, dtype=torch.int32, device=DEVICE)
+    ids = torch.full((batch,), POISON, dtype=torch.int32, device=DEVICE)
+    grammar_argmax(logits.zero_(), bitmask.zero_(), rows, ids, vocab)       # loads and warms the op
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grammar_argmax(logits, bitmask, rows, ids, vocab)
+    for _ in range(3):
+        seed, fresh_logits, fresh_bitmask = prepared(batch, vocab, 0.2)
+        logits.copy_(fresh_logits)
+        bitmask.copy_(fresh_bitmask)
+        ids.fill_(POISON)
+        graph.replay()
+        expected = torch.full((batch,), POISON, dtype=torch.int32)
+        reference_grammar_argmax(fresh_logits, fresh_bitmask, rows.cpu(), expected, vocab)
+        torch.cuda.synchronize()
+        assert torch.equal(ids.cpu(), expected), seed
