@@ -173,7 +173,8 @@ def test_a_batch_fill_sets_exactly_each_matchers_own_mask(tiny, constrained):
     masks = TokenMasks(len(rows), 49152, tiny.device, fill_threads=2)
     masks._hosts[0].fill_(0x5A5A5A5A)                  # poison: a row left unfilled would keep it
     masks._hosts[1].fill_(0x5A5A5A5A)
-    bitmask, indices = masks.start_fill(rows).result()
+    mask = masks.start_fill(rows).result()
+    bitmask, indices = mask.bitmask, mask.indices
     constrained_rows = [i for i, r in enumerate(rows) if r.matcher is not None]
     assert (indices is None) == (len(constrained_rows) == len(rows))
     if indices is not None:

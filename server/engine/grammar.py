@@ -13,6 +13,7 @@ import logging
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import NamedTuple
 
 import torch
 import xgrammar as xgr
@@ -141,6 +142,14 @@ def new_matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
     return xgr.GrammarMatcher(compiled)
 
 
+class DeviceMask(NamedTuple):
+    """A step's bitmask where the step reads it, with the indices of the rows it constrains (None:
+    every row) and the turn of the buffers it lies in."""
+    bitmask: torch.Tensor
+    indices: torch.Tensor | None
+    turn: int
+
+
 class TokenMasks:
     """The bitmask of a step's constrained rows: filled on the host, applied on the device.
 
@@ -159,8 +168,14 @@ class TokenMasks:
         if pin:
             self._hosts = [h.pin_memory() for h in self._hosts]
             self._rows = [r.pin_memory() for r in self._rows]
-        self._device = xgr.allocate_token_bitmask(max_batch, vocab_size).to(device) if pin else None
-        self._device_rows = torch.zeros(max_batch, dtype=torch.int32, device=device) if pin else None
+        # On CUDA the device buffers take turns too, copied to on a stream of their own while the
+        # step's forward runs; each turn's events: its copy done, its last reader done.
+        self._device = ([xgr.allocate_token_bitmask(max_batch, vocab_size).to(device) for _ in range(2)]
+                        if pin else None)
+        self._device_rows = [torch.zeros(max_batch, dtype=torch.int32, device=device) for _ in range(2)] if pin else None
+        self._copy_stream = torch.cuda.Stream(device) if pin else None
+        self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None
+        self._read = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._turn = 0
         # Waking a pool costs more than a few rows' fills (one row: 60 us alone, 270 us through two
         # threads), so small batches fill on one thread.
@@ -192,50 +207,63 @@ class TokenMasks:
         else:
             filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
             done = None
-        return PendingMask(self, host, len(seqs), (rows[0], rows[-1] + 1), indices, done)
+        return PendingMask(self, self._turn, len(seqs), (rows[0], rows[-1] + 1), indices, done)
 
-    def fill(self, seqs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def fill(self, seqs) -> "DeviceMask | None":
         """The bitmask for ``seqs`` on the device and the indices of the rows it constrains (those
         with a live matcher; None: all), or None when no row is constrained."""
         pending = self.start_fill(seqs)
         return pending.result() if pending is not None else None
 
-    def _to_device(self, host: torch.Tensor, n: int, span: tuple[int, int], indices: torch.Tensor | None):
+    def _to_device(self, turn: int, n: int, span: tuple[int, int], indices: torch.Tensor | None) -> "DeviceMask":
         """The first ``n`` rows of the bitmask on the device; only the rows from the first
-        constrained one to the last are copied (the others are never read)."""
+        constrained one to the last are copied (the others are never read). The copy runs beside
+        the step's forward; the current stream waits for it before whatever comes next."""
+        host = self._hosts[turn]
         if self._device is None:
-            return host[:n], indices
+            return DeviceMask(host[:n], indices, turn)
         first, end = span
-        self._device[first:end].copy_(host[first:end], non_blocking=True)
-        if indices is not None:                     # once, for the mask's application and the argmax
-            indices = self._device_rows[:indices.shape[0]].copy_(indices, non_blocking=True)
-        return self._device[:n], indices
+        device, rows = self._device[turn], self._device_rows[turn]
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(self._read[turn])     # the step that last read this turn's buffers
+            device[first:end].copy_(host[first:end], non_blocking=True)
+            if indices is not None:                 # once, for the mask's application and the argmax
+                indices = rows[:indices.shape[0]].copy_(indices, non_blocking=True)
+            self._copied[turn].record(self._copy_stream)
+        torch.cuda.current_stream(self.device).wait_event(self._copied[turn])
+        return DeviceMask(device[:n], indices, turn)
+
+    def _mark_read(self, mask: "DeviceMask") -> None:
+        if self._read is not None:
+            self._read[mask.turn].record(torch.cuda.current_stream(self.device))
 
     def greedy_ids(self, logits: torch.Tensor, unmasked: torch.Tensor | None, mask) -> torch.Tensor:
         """The argmax of each row of the masked ``logits``, given ``unmasked``, that of the logits
         before the mask (None: not known): only the constrained rows are searched again."""
-        bitmask, indices = mask
-        if unmasked is None or indices is None:
-            return argmax_rows(logits)
-        return unmasked.index_put((indices,), argmax_rows(logits.index_select(0, indices)))
+        indices = mask.indices
+        ids = (argmax_rows(logits) if unmasked is None or indices is None
+               else unmasked.index_put((indices,), argmax_rows(logits.index_select(0, indices))))
+        self._mark_read(mask)
+        return ids
 
     def argmax_into(self, logits: torch.Tensor, mask, ids: torch.Tensor) -> None:
         """The argmax of each constrained row of ``logits`` among the tokens its mask allows,
         written into ``ids`` (int32, one per row); the other rows' ids are left as they are."""
-        bitmask, indices = mask
-        grammar_argmax(logits, bitmask, indices, ids, self.vocab_size)
+        grammar_argmax(logits, mask.bitmask, mask.indices, ids, self.vocab_size)
+        self._mark_read(mask)
 
-    def apply(self, logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    def apply(self, logits: torch.Tensor, mask: "DeviceMask") -> None:
         """Masked tokens' logits set to -inf, in place, on the rows ``fill`` named."""
-        bitmask, indices = mask
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+        indices = mask.indices
+        xgr.apply_token_bitmask_inplace(logits, mask.bitmask, vocab_size=self.vocab_size,
                                         indices=indices.tolist() if indices is not None and self._device is None else indices)
+        self._mark_read(mask)
 
     def warm_up(self) -> None:
         """Applications with and without row indices, so the first constrained request does not
         pay for the kernels' compilation."""
         logits = torch.zeros(2, self.vocab_size, device=self.device)
-        bitmask = (self._device if self._device is not None else self._hosts[0])[:2]
+        bitmask = (self._device[0] if self._device is not None else self._hosts[0])[:2]
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=self._rows[0][:1])
 
@@ -243,12 +271,12 @@ class TokenMasks:
 class PendingMask:
     """A step's bitmask being filled (``TokenMasks.start_fill``)."""
 
-    def __init__(self, masks: TokenMasks, host: torch.Tensor, n: int, span: tuple[int, int],
+    def __init__(self, masks: TokenMasks, turn: int, n: int, span: tuple[int, int],
                  indices: torch.Tensor | None, done: Future | None):
-        self._masks, self._host, self._n, self._span, self._indices, self._done = masks, host, n, span, indices, done
+        self._masks, self._turn, self._n, self._span, self._indices, self._done = masks, turn, n, span, indices, done
 
-    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def result(self) -> "DeviceMask":
         """The filled bitmask on the device and the indices of its rows (``TokenMasks.fill``)."""
         if self._done is not None:
             self._done.result()
-        return self._masks._to_device(self._host, self._n, self._span, self._indices)
+        return self._masks._to_device(self._turn, self._n, self._span, self._indices)

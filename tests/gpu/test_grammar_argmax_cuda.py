@@ -60,3 +60,30 @@ def test_kernel_replays_from_a_graph_over_new_inputs():
         reference_grammar_argmax(fresh_logits, fresh_bitmask, rows.cpu(), expected, vocab)
         torch.cuda.synchronize()
         assert torch.equal(ids.cpu(), expected), seed
+
+
+def test_token_masks_never_overwrite_a_mask_before_its_step_read_it():
+    """Three fills in a row while the stream that reads them is held up: the third reuses the
+    first's buffers, and its copy (on the masks' own stream) must wait until the first was read."""
+    import xgrammar as xgr
+
+    from server.engine.grammar import TokenMasks
+
+    vocab = [chr(ord("a") + i) for i in range(26)] + [f"<{i}>" for i in range(38)]
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab))
+
+    class Row:
+        is_finished = False
+
+        def __init__(self, letter):
+            self.matcher = xgr.GrammarMatcher(compiler.compile_regex(letter))
+
+    masks = TokenMasks(2, len(vocab), DEVICE)
+    logits = torch.randn(1, len(vocab), device=DEVICE)
+    outs = [torch.full((1,), POISON, dtype=torch.int32, device=DEVICE) for _ in range(3)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)                 # about 0.1 s on the current stream
+    for letter, ids in zip("abc", outs):
+        masks.argmax_into(logits, masks.fill([Row(letter)]), ids)
+    torch.cuda.synchronize()
+    assert [vocab[ids.item()] for ids in outs] == ["a", "b", "c"]
