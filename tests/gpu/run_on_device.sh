@@ -144,9 +144,11 @@ if want int8; then
 fi
 if want structured; then
   stamp "structured output: GPU test, then the engine with and without JSON schemas"
-  timeout 300 python3 -m pytest -q tests/gpu/test_structured_cuda.py 2>&1 | tee "$OUT/structured_tests.log" | tail -5
+  timeout 300 python3 -m pytest -q tests/gpu/test_structured_cuda.py tests/gpu/test_grammar_argmax_cuda.py 2>&1 \
+      | tee "$OUT/structured_tests.log" | tail -5
+  timeout 90 python3 -m benchmarks.grammar_argmax_bench --out "$OUT" 2>&1 | tee "$OUT/grammar_argmax_bench.log" | tail -9
   timeout 480 python3 -m load_tests.structured_bench --device cuda --model random:smollm2-135m --batch 1 64 \
-      --prompt-len 128 --new-tokens 256 --repeats 3 --out "$OUT/structured_bench.json" 2>&1 \
+      --prompt-len 128 --new-tokens 256 --repeats 5 --out "$OUT/structured_bench.json" 2>&1 \
       | tee "$OUT/structured_bench.log" | grep -E '^\||structured output|first token' | tail -8
   while read -r line; do summary+=("structured: $line"); done < <(grep -E '^\| [0-9]|first token' "$OUT/structured_bench.log")
 fi
