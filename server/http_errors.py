@@ -41,7 +41,7 @@ def count_rejection(request: Request, status: int, reason: str = "invalid") -> N
         request.app.state.services.metrics.rejected.labels(reason=reason).inc()
 
 
-def require_json_body(request: Request) -> None:
+async def require_json_body(request: Request) -> None:
     """415 for a POST whose body is not declared JSON (curl's -d alone sends a form type)."""
     if request.method != "POST":
         return
