@@ -74,9 +74,22 @@ log = logging.getLogger("loadgen")
 
 # ----------------------------------------------------------------------------- one request
 
+@dataclass
+class Unparsed:
+    """A streamed request's ``data:`` lines, stamped as they arrived, not yet parsed."""
+    result: RequestResult
+    events: list[tuple[float, bytes]]
+    t0: float
+    t_end: float
+
+
 async def send_request(client: httpx.AsyncClient, backend: Backend, url: str, prompt: str,
-                       prompt_len: int, max_tokens: int, headers: dict, t_level: float) -> RequestResult:
-    """Send one streaming request; the loop only stamps and stores ``data:`` lines, parsing waits."""
+                       prompt_len: int, max_tokens: int, headers: dict, t_level: float,
+                       parse: bool = True) -> RequestResult | Unparsed:
+    """Send one streaming request; the loop only stamps and stores ``data:`` lines. Parsed at once
+    (``parse``), or returned unparsed (``parse_result`` later) when the text is not needed yet:
+    a closed loop's client then sends its next request without first parsing hundreds of events,
+    which would otherwise delay it and the other streams of its process."""
     result = RequestResult(prompt_len=prompt_len, max_tokens=max_tokens)
     events: list[tuple[float, bytes]] = []
     body = backend.body(prompt, max_tokens)
@@ -111,7 +124,14 @@ async def send_request(client: httpx.AsyncClient, backend: Backend, url: str, pr
         result.latency = time.perf_counter() - t0
         return result
 
-    parsed = backend.parse(events)
+    unparsed = Unparsed(result, events, t0, t_end)
+    return parse_result(unparsed, backend) if parse else unparsed
+
+
+def parse_result(unparsed: Unparsed, backend: Backend) -> RequestResult:
+    """The request's result completed from its stored events."""
+    result, t0, t_end = unparsed.result, unparsed.t0, unparsed.t_end
+    parsed = backend.parse(unparsed.events)
     result.latency = t_end - t0
     result.tokens_counted = parsed.tokens
     result.chunks = len(parsed.token_times)
@@ -212,6 +232,7 @@ async def _run_share(level: Level, backend: Backend, base_url: str, prompts: lis
     limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
     timeout = httpx.Timeout(request_timeout, connect=min(30.0, request_timeout))
     results: list[RequestResult] = []
+    unparsed: list[Unparsed] = []
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
         await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         cpu0 = time.process_time()
@@ -223,8 +244,12 @@ async def _run_share(level: Level, backend: Backend, base_url: str, prompts: lis
                 if k and time.perf_counter() >= deadline:
                     break
                 prompt = history + question
+                last = k == len(turns) - 1               # no later turn needs its text: parsed after the level
                 result = await send_request(client, backend, url, prompt, history_len + qlen, max_tokens, headers,
-                                            start_at)
+                                            start_at, parse=not last)
+                if isinstance(result, Unparsed):
+                    unparsed.append(result)
+                    result = result.result
                 results.append(result)
                 if on_done is not None:
                     on_done()
@@ -267,6 +292,8 @@ async def _run_share(level: Level, backend: Backend, base_url: str, prompts: lis
             await asyncio.gather(*tasks)
         t_end = time.perf_counter()
         cpu = time.process_time() - cpu0
+    for pending in unparsed:
+        parse_result(pending, backend)
     return results, t_end, cpu
 
 

@@ -561,3 +561,32 @@ def test_serve_reports_a_server_that_exits_at_once(tmp_path, caplog):
                        "--no-progress", "--out-dir", str(tmp_path), "--serve-timeout", "60"])
     assert rc == 1
     assert "the server exited with code" in caplog.text and "not-a-number" in caplog.text
+
+
+def test_a_request_left_unparsed_parses_later_to_the_same_result(fake_server):
+    """A closed loop's last turn is parsed after the level (its client sends the next request
+    first): the result completed then equals one parsed at once."""
+    import asyncio
+
+    import httpx
+
+    from load_tests.backends import TGIBackend
+
+    base_url, _ = fake_server
+    backend = TGIBackend()
+
+    async def both():
+        async with httpx.AsyncClient(trust_env=False) as client:
+            url = base_url + backend.path
+            now = await loadgen.send_request(client, backend, url, "hello there", 2, 6, {}, time.perf_counter())
+            later = await loadgen.send_request(client, backend, url, "hello there", 2, 6, {}, time.perf_counter(),
+                                               parse=False)
+            return now, later
+
+    now, later = asyncio.run(both())
+    assert isinstance(later, loadgen.Unparsed) and not later.result.ok and later.events
+    done = loadgen.parse_result(later, backend)
+    assert done is later.result and done.ok and now.ok
+    for field in ("tokens_counted", "tokens_reported", "text", "finish_reason", "chunks"):
+        assert getattr(done, field) == getattr(now, field), field
+    assert done.ttft > 0 and len(done.itl) == len(now.itl) == 5
