@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 from .backends import BACKENDS, Backend
@@ -83,7 +84,7 @@ class Unparsed:
     t_end: float
 
 
-async def send_request(client: httpx.AsyncClient, backend: Backend, url: str, prompt: str,
+async def send_request(client: aiohttp.ClientSession, backend: Backend, url: str, prompt: str,
                        prompt_len: int, max_tokens: int, headers: dict, t_level: float,
                        parse: bool = True) -> RequestResult | Unparsed:
     """Send one streaming request; the loop only stamps and stores ``data:`` lines. Parsed at once
@@ -97,15 +98,15 @@ async def send_request(client: httpx.AsyncClient, backend: Backend, url: str, pr
     result.start = t0 - t_level
     try:
         sent = {**headers, "X-Request-Start": f"t={time.time():.6f}"}    # the server logs the way in
-        async with client.stream("POST", url, json=body, headers=sent) as resp:
-            result.status = resp.status_code
-            if resp.status_code != 200:
-                detail = (await resp.aread()).decode("utf-8", "replace").strip()
-                result.error = f"HTTP {resp.status_code}: {detail[:300]}"
+        async with client.post(url, json=body, headers=sent) as resp:
+            result.status = resp.status
+            if resp.status != 200:
+                detail = (await resp.read()).decode("utf-8", "replace").strip()
+                result.error = f"HTTP {resp.status}: {detail[:300]}"
                 result.latency = time.perf_counter() - t0
                 return result
             pending = b""
-            async for chunk in resp.aiter_bytes():
+            async for chunk in resp.content.iter_any():
                 t = time.perf_counter()
                 pending += chunk
                 if b"\n" not in chunk:
@@ -119,7 +120,7 @@ async def send_request(client: httpx.AsyncClient, backend: Backend, url: str, pr
             if pending.startswith(b"data:") and pending[5:].strip() not in (b"", b"[DONE]"):
                 events.append((time.perf_counter(), pending[5:].strip()))
         t_end = time.perf_counter()
-    except (httpx.HTTPError, OSError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]
         result.latency = time.perf_counter() - t0
         return result
@@ -229,11 +230,11 @@ async def _run_share(level: Level, backend: Backend, base_url: str, prompts: lis
     plus its question, after the previous turn ended. Returns (results, end time, CPU seconds used)."""
     url = base_url.rstrip("/") + backend.path
     width = max(1, level.concurrency or level.max_concurrency or len(prompts))
-    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
-    timeout = httpx.Timeout(request_timeout, connect=min(30.0, request_timeout))
+    connections = aiohttp.TCPConnector(limit=width, limit_per_host=width)
+    timeout = aiohttp.ClientTimeout(total=request_timeout, connect=min(30.0, request_timeout))
     results: list[RequestResult] = []
     unparsed: list[Unparsed] = []
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+    async with aiohttp.ClientSession(connector=connections, timeout=timeout) as client:
         await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         cpu0 = time.process_time()
         deadline = start_at + max_duration
@@ -690,7 +691,7 @@ def run(args) -> int:
         "created": started.isoformat(timespec="seconds"),
         "label": args.label or f"{args.backend} {base_url}",
         "config": config,
-        "client": {"python": platform.python_version(), "httpx": httpx.__version__,
+        "client": {"python": platform.python_version(), "aiohttp": aiohttp.__version__,
                    "host": platform.node(), "cpus": os.cpu_count()},
         "server": {"health": health, "models": models},
         "engine": {"source": args.engine_json, "tok_per_s_by_batch": engine,

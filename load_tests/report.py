@@ -100,7 +100,8 @@ def markdown(doc: dict) -> str:
         slo = ", ".join(f"{k.upper()} ≤ {v:g} ms" for k, v in cfg["slos_ms"].items())
         lines.append(f"- Goodput SLOs: {slo}.")
     client = doc["client"]
-    lines.append(f"- Client: Python {client['python']}, httpx {client['httpx']}, {client['cpus']} CPUs.")
+    library = next((f"{name} {client[name]}" for name in ("aiohttp", "httpx") if name in client), "an unnamed client")
+    lines.append(f"- Client: Python {client['python']}, {library}, {client['cpus']} CPUs.")
     lines.append("")
 
     head = [level_name, "requests ok", "req/s", "output tok/s"]

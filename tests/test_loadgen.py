@@ -568,7 +568,7 @@ def test_a_request_left_unparsed_parses_later_to_the_same_result(fake_server):
     first): the result completed then equals one parsed at once."""
     import asyncio
 
-    import httpx
+    import aiohttp
 
     from load_tests.backends import TGIBackend
 
@@ -576,7 +576,7 @@ def test_a_request_left_unparsed_parses_later_to_the_same_result(fake_server):
     backend = TGIBackend()
 
     async def both():
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with aiohttp.ClientSession() as client:
             url = base_url + backend.path
             now = await loadgen.send_request(client, backend, url, "hello there", 2, 6, {}, time.perf_counter())
             later = await loadgen.send_request(client, backend, url, "hello there", 2, 6, {}, time.perf_counter(),

@@ -18,6 +18,7 @@ if [ -x "$shared" ] || [ -f "$shared" ]; then bash "$shared" .whl fastapi-offlin
     typing-inspection typing-extensions opentelemetry-api importlib-metadata sse-starlette gguf \
     "transformers>=5.17,<5.25" httptools uvloop filelock tokenizers
 fi
+get .whl aiohttp aiohappyeyeballs aiosignal frozenlist multidict propcache yarl attrs   # the load generator's client
 get .whl-xgr xgrammar==0.2.9 apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py attrs
 get .whl-router sglang-router==0.3.2 setproctitle orjson
 du -sh .whl .whl-xgr .whl-router
