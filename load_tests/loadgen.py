@@ -36,7 +36,10 @@ The HTTP-against-engine sweep on a GPU host, the server started and stopped by t
 
 One client process streams some 10-20 thousand tokens/s before its own CPU becomes the limit (the
 report's "client CPU" column shows it, and a warning says so): ``--workers N`` spreads each level
-over N processes.
+over N processes. The client streams through aiohttp (about half httpx's CPU per streamed token)
+and parses a request whose text no later turn needs after the level, so parsing neither delays
+the next request nor counts in the client CPU column. ``--request-timeout`` bounds a whole
+request, the stream included.
 
 Every run is bounded: a fixed number of requests per level, ``--max-duration`` per level and
 ``--request-timeout`` per request. Targets other than loopback addresses need ``--allow-remote``.
@@ -98,7 +101,7 @@ async def send_request(client: aiohttp.ClientSession, backend: Backend, url: str
     result.start = t0 - t_level
     try:
         sent = {**headers, "X-Request-Start": f"t={time.time():.6f}"}    # the server logs the way in
-        async with client.post(url, json=body, headers=sent) as resp:
+        async with client.post(url, json=body, headers=sent, allow_redirects=False) as resp:
             result.status = resp.status
             if resp.status != 200:
                 detail = (await resp.read()).decode("utf-8", "replace").strip()

@@ -154,6 +154,19 @@ def test_grammar_rows_mix_with_free_rows_and_greedy_matches_masked_argmax(engine
             ids.append(token)
 
 
+def test_greedy_constrained_rows_take_the_same_tokens_with_or_without_logprobs(engine):
+    """Without log-probabilities a greedy step's constrained rows take their argmax in one launch
+    (kernels.grammar_argmax); asking for them sends the step through xgrammar's masking and the
+    sampler instead. Both must pick the same tokens, beside free rows."""
+    prompt = [21, 22, 23]
+    spec = json_spec({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 6})
+    free = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    runs = [run_all(engine, [(prompt, free), (prompt, SamplingParams(max_new_tokens=16, grammar=spec, logprobs=asked))])
+            for asked in (False, True)]
+    assert runs[0][1][0] == runs[1][1][0] and runs[0][1][2].reason == runs[1][1][2].reason
+    assert runs[0][0][0] == runs[1][0][0]
+
+
 @pytest.mark.parametrize("constrained", [3, 20])
 def test_a_batch_fill_sets_exactly_each_matchers_own_mask(tiny, constrained):
     """Few rows fill on the calling thread, many on the fill thread: either way each constrained

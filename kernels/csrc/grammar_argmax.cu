@@ -40,7 +40,7 @@ grammar_argmax_kernel(const float* __restrict__ logits, int64_t logits_stride, c
   const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask + row * bitmask_stride);
   Best best{0.f, INT_MAX};
   int scalar_from = 0;
-  if (vectorized) {
+  if constexpr (vectorized) {
     const float4* x4 = reinterpret_cast<const float4*>(x);
     const int quads = vocab / 4;
     for (int base = threadIdx.x; base < quads; base += kThreads * kUnroll) {

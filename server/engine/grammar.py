@@ -3,9 +3,11 @@ text, on a thread of their own), one matcher per request, and the per-step token
 
 A request with a grammar waits outside the scheduler until its grammar is compiled; the others
 keep decoding meanwhile. Each step the bitmask rows of the constrained requests are filled on the
-CPU (xgrammar's batch matcher, on its threads) while the device runs the step's forward, copied to
-the device and applied to those rows of the logits only, before sampling. The end-of-sequence
-token is allowed exactly when the grammar accepts what was generated.
+CPU (xgrammar's batch matcher, on its threads) while the device runs the step's forward and
+copied to the device beside it; greedy rows then take their argmax among the allowed tokens in
+one launch (``kernels.grammar_argmax``), other steps mask those rows of the logits before
+sampling. The end-of-sequence token is allowed exactly when the grammar accepts what was
+generated.
 """
 
 import json
@@ -194,6 +196,8 @@ class TokenMasks:
         if self._filling is not None:
             wait([self._filling])                 # a step that failed may have left one running
         self._turn ^= 1
+        if self._copied is not None:
+            self._copied[self._turn].synchronize()   # this turn's last copy has left its host buffers
         host = self._hosts[self._turn]
         matchers = [seqs[i].matcher for i in rows]
         filler = self._pooled if len(rows) >= ROWS_PER_FILL_THREAD * 2 else self._serial
@@ -209,13 +213,13 @@ class TokenMasks:
             done = None
         return PendingMask(self, self._turn, len(seqs), (rows[0], rows[-1] + 1), indices, done)
 
-    def fill(self, seqs) -> "DeviceMask | None":
+    def fill(self, seqs) -> DeviceMask | None:
         """The bitmask for ``seqs`` on the device and the indices of the rows it constrains (those
         with a live matcher; None: all), or None when no row is constrained."""
         pending = self.start_fill(seqs)
         return pending.result() if pending is not None else None
 
-    def _to_device(self, turn: int, n: int, span: tuple[int, int], indices: torch.Tensor | None) -> "DeviceMask":
+    def _to_device(self, turn: int, n: int, span: tuple[int, int], indices: torch.Tensor | None) -> DeviceMask:
         """The first ``n`` rows of the bitmask on the device; only the rows from the first
         constrained one to the last are copied (the others are never read). The copy runs beside
         the step's forward; the current stream waits for it before whatever comes next."""
@@ -233,7 +237,7 @@ class TokenMasks:
         torch.cuda.current_stream(self.device).wait_event(self._copied[turn])
         return DeviceMask(device[:n], indices, turn)
 
-    def _mark_read(self, mask: "DeviceMask") -> None:
+    def _mark_read(self, mask: DeviceMask) -> None:
         if self._read is not None:
             self._read[mask.turn].record(torch.cuda.current_stream(self.device))
 
@@ -252,7 +256,7 @@ class TokenMasks:
         grammar_argmax(logits, mask.bitmask, mask.indices, ids, self.vocab_size)
         self._mark_read(mask)
 
-    def apply(self, logits: torch.Tensor, mask: "DeviceMask") -> None:
+    def apply(self, logits: torch.Tensor, mask: DeviceMask) -> None:
         """Masked tokens' logits set to -inf, in place, on the rows ``fill`` named."""
         indices = mask.indices
         xgr.apply_token_bitmask_inplace(logits, mask.bitmask, vocab_size=self.vocab_size,
@@ -260,12 +264,14 @@ class TokenMasks:
         self._mark_read(mask)
 
     def warm_up(self) -> None:
-        """Applications with and without row indices, so the first constrained request does not
-        pay for the kernels' compilation."""
+        """Applications with and without row indices, and the greedy rows' argmax, so the first
+        constrained request does not pay for the kernels' compilation or loading."""
         logits = torch.zeros(2, self.vocab_size, device=self.device)
         bitmask = (self._device[0] if self._device is not None else self._hosts[0])[:2]
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=self._rows[0][:1])
+        ids = torch.zeros(2, dtype=torch.int32, device=self.device)
+        grammar_argmax(logits, bitmask, self._rows[0][:1].to(self.device), ids, self.vocab_size)
 
 
 class PendingMask:
@@ -275,7 +281,7 @@ class PendingMask:
                  indices: torch.Tensor | None, done: Future | None):
         self._masks, self._turn, self._n, self._span, self._indices, self._done = masks, turn, n, span, indices, done
 
-    def result(self) -> "DeviceMask":
+    def result(self) -> DeviceMask:
         """The filled bitmask on the device and the indices of its rows (``TokenMasks.fill``)."""
         if self._done is not None:
             self._done.result()

@@ -253,7 +253,8 @@ class ModelRunner:
 
         ``constrain`` (structured output): called once the step is launched with the previous
         step's ids, read back early (None if there were none), it returns the token mask of
-        ``seqs`` (``TokenMasks.fill``) or None; the mask is applied to the logits before sampling."""
+        ``seqs`` (``TokenMasks.fill``) or None: a greedy step's constrained rows then take their
+        argmax among the allowed tokens, another step's logits are masked before sampling."""
         logits, greedy = self._decode(seqs, self.pipeline.sources(seqs))
         ids = logprobs = None
         mask = constrain(self.pipeline.take_inflight()) if constrain is not None else None

@@ -40,6 +40,27 @@ def test_kernel_matches_reference(vocab, density, listed):
     assert torch.equal(ids.cpu(), expected), (seed, (ids.cpu() != expected).nonzero().flatten().tolist())
 
 
+@pytest.mark.parametrize("layout", ["row stride past the vocabulary", "unaligned rows"])
+def test_kernel_reads_logits_views(layout):
+    """Rows 16-byte aligned but wider than the vocabulary (float4 reads, then a scalar tail), or
+    starting one element in (scalar reads only)."""
+    batch, vocab = 5, 50257
+    seed, logits, bitmask = prepared(batch, vocab, 0.5)
+    wide = torch.full((batch, vocab + 3), float("nan"), device=DEVICE)
+    if layout == "unaligned rows":
+        wide = torch.full((batch, vocab + 1), float("nan"), device=DEVICE)
+        view = wide[:, 1:]
+    else:
+        view = wide[:, :vocab]
+    view.copy_(logits)
+    expected = torch.full((batch,), POISON, dtype=torch.int32)
+    reference_grammar_argmax(logits, bitmask, None, expected, vocab)
+    ids = torch.full((batch,), POISON, dtype=torch.int32, device=DEVICE)
+    grammar_argmax(view, bitmask.to(DEVICE), None, ids, vocab)
+    torch.cuda.synchronize()
+    assert torch.equal(ids.cpu(), expected), seed
+
+
 def test_kernel_replays_from_a_graph_over_new_inputs():
     batch, vocab = 64, 49152
     logits = torch.empty(batch, vocab, device=DEVICE)
@@ -63,8 +84,9 @@ def test_kernel_replays_from_a_graph_over_new_inputs():
 
 
 def test_token_masks_never_overwrite_a_mask_before_its_step_read_it():
-    """Three fills in a row while the stream that reads them is held up: the third reuses the
-    first's buffers, and its copy (on the masks' own stream) must wait until the first was read."""
+    """Five fills in a row while the stream that reads them is held up: every fill after the
+    second reuses the buffers of the one two before, on the host (whose copy may still wait on
+    the masks' own stream) and on the device (which must wait until that mask was read)."""
     import xgrammar as xgr
 
     from server.engine.grammar import TokenMasks
@@ -80,10 +102,10 @@ def test_token_masks_never_overwrite_a_mask_before_its_step_read_it():
 
     masks = TokenMasks(2, len(vocab), DEVICE)
     logits = torch.randn(1, len(vocab), device=DEVICE)
-    outs = [torch.full((1,), POISON, dtype=torch.int32, device=DEVICE) for _ in range(3)]
+    outs = [torch.full((1,), POISON, dtype=torch.int32, device=DEVICE) for _ in range(5)]
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)                 # about 0.1 s on the current stream
-    for letter, ids in zip("abc", outs):
+    for letter, ids in zip("abcde", outs):
         masks.argmax_into(logits, masks.fill([Row(letter)]), ids)
     torch.cuda.synchronize()
-    assert [vocab[ids.item()] for ids in outs] == ["a", "b", "c"]
+    assert [vocab[ids.item()] for ids in outs] == list("abcde")
