@@ -174,7 +174,8 @@ class TokenMasks:
         # step's forward runs; each turn's events: its copy done, its last reader done.
         self._device = ([xgr.allocate_token_bitmask(max_batch, vocab_size).to(device) for _ in range(2)]
                         if pin else None)
-        self._device_rows = [torch.zeros(max_batch, dtype=torch.int32, device=device) for _ in range(2)] if pin else None
+        self._device_rows = ([torch.zeros(max_batch, dtype=torch.int32, device=device) for _ in range(2)]
+                             if pin else None)
         self._copy_stream = torch.cuda.Stream(device) if pin else None
         self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._read = [torch.cuda.Event() for _ in range(2)] if pin else None
@@ -241,7 +242,7 @@ class TokenMasks:
         if self._read is not None:
             self._read[mask.turn].record(torch.cuda.current_stream(self.device))
 
-    def greedy_ids(self, logits: torch.Tensor, unmasked: torch.Tensor | None, mask) -> torch.Tensor:
+    def greedy_ids(self, logits: torch.Tensor, unmasked: torch.Tensor | None, mask: DeviceMask) -> torch.Tensor:
         """The argmax of each row of the masked ``logits``, given ``unmasked``, that of the logits
         before the mask (None: not known): only the constrained rows are searched again."""
         indices = mask.indices
@@ -250,7 +251,7 @@ class TokenMasks:
         self._mark_read(mask)
         return ids
 
-    def argmax_into(self, logits: torch.Tensor, mask, ids: torch.Tensor) -> None:
+    def argmax_into(self, logits: torch.Tensor, mask: DeviceMask, ids: torch.Tensor) -> None:
         """The argmax of each constrained row of ``logits`` among the tokens its mask allows,
         written into ``ids`` (int32, one per row); the other rows' ids are left as they are."""
         grammar_argmax(logits, mask.bitmask, mask.indices, ids, self.vocab_size)

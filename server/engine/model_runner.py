@@ -258,12 +258,13 @@ class ModelRunner:
         logits, greedy = self._decode(seqs, self.pipeline.sources(seqs))
         ids = logprobs = None
         mask = constrain(self.pipeline.take_inflight()) if constrain is not None else None
-        if mask is not None and rows.greedy_only:      # the constrained rows' ids redone in place
+        greedy_only = rows.greedy_only
+        if mask is not None and greedy_only:           # the constrained rows' ids redone in place
             self.token_masks.argmax_into(logits, mask, self.pipeline.sampled)
         elif mask is not None:
             self.token_masks.apply(logits, mask)
             greedy = self.token_masks.greedy_ids(logits, greedy, mask)   # the graph's saw the unmasked logits
-        if not rows.greedy_only:                       # else the step wrote its ids already
+        if not greedy_only:                            # else the step wrote its ids already
             ids, logprobs = sample_clean(logits, rows, greedy, self.penalties)
         for seq in seqs:
             seq.num_cached = seq.total_len
