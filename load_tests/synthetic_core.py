@@ -36,7 +36,7 @@ class _Request:
         self.first_token: float | None = None
 
 
-def synthetic_core_main(model, dtype, device, config, request_readers, outboxes, log_config):
+def synthetic_core_main(model, dtype, device, config, request_readers, outboxes, log_config, loaded_flag=None):
     """Stands in for ``server.engine.process.core_main``: same arguments, same messages."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if log_config is not None:
@@ -44,6 +44,8 @@ def synthetic_core_main(model, dtype, device, config, request_readers, outboxes,
     step_s = float(os.environ.get(STEP_MS_ENV, "1")) / 1e3
     router = process._Router(outboxes)
     inbox = process.RequestInbox(request_readers)
+    if loaded_flag is not None:
+        loaded_flag.set()
     router.broadcast(("ready", ModelInfo(model, CONTEXT, CONTEXT, config.block_size, CONTEXT // config.block_size,
                                          VOCAB)))
     running: dict[str, _Request] = {}

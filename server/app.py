@@ -27,16 +27,20 @@ DOCS_STATIC_URL = "/docs/static"
 
 def create_app(engine=None, settings: Settings | None = None, *,
                loader: Callable[[], object] | None = None,
-               on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+               on_load_error: Callable[[str], None] | None = None,
+               core_loaded: Callable[[], bool] | None = None) -> FastAPI:
     """The app serving ``engine`` (not yet started: the app starts it on startup and shuts it
     down on shutdown). Give ``loader`` instead to build the engine in a background thread
     after startup, so that /health can answer 503 while the model loads; if loading fails,
-    /health answers 503 with the error and ``on_load_error(message)`` is called."""
+    /health answers 503 with the error and ``on_load_error(message)`` is called. ``core_loaded``
+    says whether a core shared with other workers has loaded its model (``Services.core_loaded``)."""
     if (engine is None) == (loader is None):
         raise ValueError("give exactly one of engine or loader")
     settings = settings or Settings()
     slot = EngineSlot()
     services = Services(settings=settings, slot=slot, metrics=Metrics(slot.get))
+    if core_loaded is not None:
+        services.core_loaded = core_loaded
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

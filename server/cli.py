@@ -285,7 +285,8 @@ def serve(args, settings: Settings, channel=None, sockets=None) -> int:
         failed.append(message)
         server.should_exit = True
 
-    app = create_app(settings=settings, loader=make_loader(args, settings, channel), on_load_error=stop_on_load_error)
+    app = create_app(settings=settings, loader=make_loader(args, settings, channel), on_load_error=stop_on_load_error,
+                     core_loaded=channel.core_loaded if channel is not None else None)
     # uvicorn's own grace period only covers what the drain left: connections still open after it
     server = DrainingServer(uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=log_config(settings.log_level),

@@ -23,17 +23,17 @@ class Health(BaseModel):
             summary="200 when ready to serve; 503 while loading, while draining on shutdown, or after a "
                     "fatal engine error")
 async def health(services: Services = Depends(get_services)):
-    return _health(services)
+    return await _health(services)
 
 
 @router.head("/health", include_in_schema=False)
 async def health_head(services: Services = Depends(get_services)):
     """The same status for probes that send HEAD (the server sends no body)."""
-    return _health(services)
+    return await _health(services)
 
 
-def _health(services: Services) -> JSONResponse:
-    healthy, status, error = services.health()
+async def _health(services: Services) -> JSONResponse:
+    healthy, status, error = await services.settled_health()
     engine = services.slot.engine
     body = Health(status=status, model=engine.model_name if engine is not None else None,
                   error=error.splitlines()[0][:300] if error else None)

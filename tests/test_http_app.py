@@ -386,6 +386,31 @@ def test_health_is_503_while_loading_and_after_a_failed_load():
         assert reported == ["FileNotFoundError: no such model"]
 
 
+def test_a_worker_whose_shared_core_has_loaded_waits_to_hear_so_rather_than_answer_loading():
+    # Another worker has answered 200 (the core's flag is set) while this one's loader still runs:
+    # requests here wait for it instead of getting "still loading"; before the flag, they do not wait.
+    release, core_loaded = threading.Event(), threading.Event()
+
+    def slow_loader():
+        release.wait(10)
+        return FakeEngine()
+
+    app = create_app(settings=Settings(), loader=slow_loader, core_loaded=core_loaded.is_set)
+    with TestClient(app) as client:
+        started = time.monotonic()
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        assert client.post("/generate", json={"inputs": "x"}).status_code == 503
+        assert time.monotonic() - started < 1.0
+        core_loaded.set()
+        threading.Timer(0.3, release.set).start()
+        started = time.monotonic()
+        r = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}})
+        assert r.status_code == 200, r.text
+        assert time.monotonic() - started >= 0.25
+        assert client.get("/health").json() == {"status": "ok", "model": "fake-model"}
+
+
 def test_engine_fatal_error_turns_health_503():
     engine = FakeEngine()
     with client_for(engine) as client:

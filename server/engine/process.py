@@ -251,9 +251,9 @@ class _Router:
 
 
 def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, request_readers, outboxes,
-              log_config: dict | None):
-    """The core process: loads the model, then steps until told to stop (or until every request
-    pipe's writer has gone)."""
+              log_config: dict | None, loaded_flag=None):
+    """The core process: loads the model, sets ``loaded_flag`` (an event its workers share) and
+    tells them so, then steps until told to stop (or until every request pipe's writer has gone)."""
     # Ctrl-C, a terminal closing, systemd's control-group stop and container runtimes signal
     # every process of the server; the server drains its requests and then stops the core with
     # a message, so the core must not die of the signal before that. A core whose server has
@@ -269,6 +269,8 @@ def core_main(model: str, dtype: str | None, device: str, config: EngineConfig, 
         loaded = load_model(model, dtype=dtype, device=device)
         core = EngineCore(loaded, config, router)
         freeze_startup_heap()
+        if loaded_flag is not None:
+            loaded_flag.set()
         router.broadcast(("ready", core.info))
         _run_profiled(core, RequestInbox(request_readers), os.environ.get(PROFILE_ENV))
         router.broadcast(("stopped",))
@@ -294,10 +296,15 @@ def _run_profiled(core: EngineCore, inbox: "RequestInbox", path: str | None) -> 
 
 class EngineChannel:
     """One worker's end of a shared core: the writing end of its request pipe, the reading end of
-    its events pipe, its number, and the core's process id."""
+    its events pipe, its number, the core's process id, and the event the core sets once its
+    model is loaded (set before any worker hears "ready": ``core_loaded()``)."""
 
-    def __init__(self, requests, outbox, worker: int, core_pid: int):
+    def __init__(self, requests, outbox, worker: int, core_pid: int, loaded_flag):
         self.requests, self.outbox, self.worker, self.core_pid = requests, outbox, worker, core_pid
+        self.loaded_flag = loaded_flag
+
+    def core_loaded(self) -> bool:
+        return self.loaded_flag.is_set()
 
     def close(self) -> None:
         """The starting process's copies, once the worker process holds its own."""
@@ -314,15 +321,16 @@ def start_shared_core(model: str, dtype: str | None, device: str, config: Engine
     ctx = mp.get_context("spawn")
     requests = [event_pipe(ctx) for _ in range(workers + 1)]
     events = [event_pipe(ctx) for _ in range(workers)]
+    loaded_flag = ctx.Event()
     process = ctx.Process(target=core_main, name="engine-core", daemon=True,
                           args=(model, dtype, device, config, [r for r, _ in requests], [w for _, w in events],
-                                log_config))
+                                log_config, loaded_flag))
     start_core(process)
     for (reader, _), (_, writer) in zip(requests, events):
         reader.close()
         writer.close()
     requests[-1][0].close()
-    channels = [EngineChannel(requests[i][1], events[i][0], i, process.pid) for i in range(workers)]
+    channels = [EngineChannel(requests[i][1], events[i][0], i, process.pid, loaded_flag) for i in range(workers)]
     return process, channels, RequestPipe(requests[-1][1])
 
 
