@@ -167,6 +167,12 @@ def test_greedy_constrained_rows_take_the_same_tokens_with_or_without_logprobs(e
     assert runs[0][0][0] == runs[1][0][0]
 
 
+@pytest.mark.parametrize("max_batch", [1, 2, 5])
+def test_warm_up_runs_at_every_batch_size(tiny, max_batch):
+    # one bitmask row at --max-batch 1: the warm-up's logits must not ask for two
+    TokenMasks(max_batch, 49152, tiny.device).warm_up()
+
+
 @pytest.mark.parametrize("constrained", [3, 20])
 def test_a_batch_fill_sets_exactly_each_matchers_own_mask(tiny, constrained):
     """Few rows fill on the calling thread, many on the fill thread: either way each constrained

@@ -267,11 +267,11 @@ class TokenMasks:
     def warm_up(self) -> None:
         """Applications with and without row indices, and the greedy rows' argmax, so the first
         constrained request does not pay for the kernels' compilation or loading."""
-        logits = torch.zeros(2, self.vocab_size, device=self.device)
-        bitmask = (self._device[0] if self._device is not None else self._hosts[0])[:2]
+        bitmask = (self._device[0] if self._device is not None else self._hosts[0])[:2]   # one row at --max-batch 1
+        logits = torch.zeros(bitmask.shape[0], self.vocab_size, device=self.device)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=self._rows[0][:1])
-        ids = torch.zeros(2, dtype=torch.int32, device=self.device)
+        ids = torch.zeros(bitmask.shape[0], dtype=torch.int32, device=self.device)
         grammar_argmax(logits, bitmask, self._rows[0][:1].to(self.device), ids, self.vocab_size)
 
 

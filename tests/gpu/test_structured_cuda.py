@@ -64,3 +64,20 @@ def test_schemas_hold_under_cuda_graphs_beside_free_rows():
         assert engine.core.blocks.num_free == engine.core.blocks.num_blocks
     finally:
         engine.shutdown()
+
+
+def test_one_sequence_engine_starts_and_follows_a_schema():
+    # --max-batch 1: the token masks' warm-up has one bitmask row
+    loaded = load_model("random:smollm2-135m", dtype="bfloat16", device="cuda")
+    engine = Engine(loaded, EngineConfig(max_batch=1, max_model_len=512))
+    engine.start()
+    try:
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                  "additionalProperties": False}
+        params = SamplingParams(max_new_tokens=64, grammar=GrammarSpec("json_schema", json.dumps(schema)))
+        (_, text, finish), = run_all(engine, [([10, 11, 12], params)])
+        assert finish.reason == "eos", (finish, text)
+        jsonschema.validate(json.loads(text), schema)
+        assert engine.core.blocks.num_free == engine.core.blocks.num_blocks
+    finally:
+        engine.shutdown()
