@@ -60,6 +60,15 @@ class Server:
         else:
             self.process.send_signal(sig)
 
+    def wait_draining(self, workers: str, timeout: float = 30.0) -> None:
+        """Until each of the ``workers`` API workers has logged that it drains (its /health and
+        new requests answer 503 from then on): a signal reaches a worker through the parent's
+        0.2 s loop and uvicorn's 0.1 s tick, longer on a busy host."""
+        deadline = time.monotonic() + timeout
+        while self.log().count("new requests get 503") < int(workers):
+            assert time.monotonic() < deadline, "not every worker drains:\n" + self.log()[-4000:]
+            time.sleep(0.05)
+
     def processes_left(self, timeout: float = 10.0) -> list[str]:
         """The command lines of the group's processes still alive (zombies not counted) once
         ``timeout`` has passed or none is."""
@@ -166,7 +175,7 @@ def test_sigterm_lets_running_streams_finish_within_the_timeout(tmp_path, worker
     try:
         tgi, openai = streams(server.url, new_tokens=new_tokens)
         server.signal(signal.SIGTERM, target)
-        time.sleep(0.5)
+        server.wait_draining(workers)
         check_refusing(server)
         for s in (tgi, openai):
             s.join(120)
@@ -216,7 +225,7 @@ def test_streams_running_past_the_timeout_are_ended_with_a_proper_last_event(tmp
             time.sleep(0.1)
         signalled = time.monotonic()
         server.signal(sig, target)
-        time.sleep(0.5)
+        server.wait_draining(workers)
         check_refusing(server)
         if times == 2:
             server.signal(sig, target)
