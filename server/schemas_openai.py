@@ -19,6 +19,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16                   # choices per prompt
 MAX_LOGPROBS = 20            # top log-probabilities per position (vLLM's default --max-logprobs)
 MAX_LOGIT_BIAS = 100.0
+MAX_TOKEN_ID_DIGITS = 12      # past any vocabulary; int() refuses over 4300
 MAX_PROMPTS = 256            # prompts in one /v1/completions request
 LOGPROB_BOUNDS = {"minimum": 0, "maximum": MAX_LOGPROBS}
 
@@ -95,8 +96,10 @@ class SamplingFields(Lenient):
     @classmethod
     def _logit_bias(cls, v):
         for key, bias in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias key {key!r} is not a token id (a non-negative integer)")
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias key {key[:20]!r} is not a token id (a non-negative integer)")
+            if len(key) > MAX_TOKEN_ID_DIGITS:
+                raise ValueError(f"logit_bias key {key[:20]}... ({len(key)} digits) is not a token id: too large")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias of token {key} is {bias}, outside -{MAX_LOGIT_BIAS:g}.."
                                  f"{MAX_LOGIT_BIAS:g}")
