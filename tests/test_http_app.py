@@ -255,6 +255,22 @@ def test_full_queue_answers_429_with_retry_after():
         assert 'llm_requests_rejected_total{reason="queue_full"} 2.0' in metrics
 
 
+def test_more_choices_than_the_queue_ever_admits_are_a_400_not_a_429():
+    """A 429 asks the client to retry; prompts times n past the queue's bound never fit."""
+    engine = FakeEngine()
+    engine.config = EngineConfig(max_waiting_requests=5, max_waiting_tokens=100)
+    with client_for(engine) as client:
+        body = {"model": "fake-model", "prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "n" and "6 requests" in error["message"] and "--max-waiting-requests" in error["message"]
+        r = client.post("/v1/completions", json={**body, "prompt": "abc", "n": 5, "max_tokens": 20})
+        assert r.status_code == 400 and "115 tokens" in r.json()["error"]["message"], r.text
+        assert not engine.requests
+        assert client.post("/v1/completions", json={**body, "prompt": ["a"], "n": 5}).status_code == 200
+
+
 def test_unexpected_exception_answers_500_without_traceback():
     with client_for(FakeEngine(mode="crash")) as client:
         r = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}},
