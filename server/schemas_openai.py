@@ -155,9 +155,15 @@ class CompletionRequest(SamplingFields, GuidedFields):
             raise ValueError("the prompt is empty")
         return v
 
+    def _one_prompt(self) -> bool:
+        return isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+
     def prompt_list(self) -> list[str | list[int]]:
-        v = self.prompt
-        return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
+        return [self.prompt] if self._one_prompt() else list(self.prompt)
+
+    def prompt_field(self, index: int) -> str:
+        """The name of prompt ``index`` in error messages: 'prompt', or 'prompt.1' in a list."""
+        return "prompt" if self._one_prompt() else f"prompt.{index}"
 
     _logprobs = logprob_count("logprobs")
     _prompt_logprobs = logprob_count("prompt_logprobs")

@@ -244,6 +244,24 @@ def test_prompt_token_limit():
         assert r.status_code == 400 and "9" in r.json()["error"] and "8" in r.json()["error"]
 
 
+def test_a_prompt_over_the_limit_is_named_by_the_field_that_sent_it():
+    with client_for(FakeEngine(max_model_len=64), max_prompt_tokens=8) as client:
+        long = "a" * 9
+        for path, body, field in [
+                ("/generate", {"inputs": long}, "inputs"),
+                ("/generate", {"messages": [{"role": "user", "content": long}]}, "messages"),
+                ("/v1/completions", {"model": "fake-model", "prompt": long}, "prompt"),
+                ("/v1/completions", {"model": "fake-model", "prompt": ["a", long]}, "prompt.1"),
+                ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": long}]},
+                 "messages")]:
+            r = client.post(path, json=body)
+            assert r.status_code == 400, r.text
+            if path == "/generate":
+                assert "over the limit of 8" in r.json()["error"]
+            else:
+                assert r.json()["error"]["param"] == field, (body, r.text)
+
+
 def test_full_queue_answers_429_with_retry_after():
     with client_for(FakeEngine(mode="full")) as client:
         r = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}})
