@@ -228,6 +228,17 @@ def test_malformed_json_answers_400():
         assert "JSON" in r.json()["error"]
 
 
+def test_a_number_of_too_many_digits_is_a_400_in_the_clients_terms():
+    """Python's JSON parser refuses integers over 4300 digits with advice about its own settings."""
+    with client_for() as client:
+        for path in ("/generate", "/v1/completions"):
+            r = client.post(path, content=b'{"max_tokens": ' + b"9" * 5000 + b"}",
+                            headers={"content-type": "application/json"})
+            assert r.status_code == 400
+            message = r.json()["error"] if path == "/generate" else r.json()["error"]["message"]
+            assert message == "malformed JSON body: a number of more than 4300 digits", message
+
+
 def test_context_overflow_names_both_numbers():
     with client_for(FakeEngine(max_model_len=64)) as client:
         r = client.post("/generate", json={"inputs": "a" * 10, "parameters": {"max_new_tokens": 60}})
