@@ -19,7 +19,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16                   # choices per prompt
 MAX_LOGPROBS = 20            # top log-probabilities per position (vLLM's default --max-logprobs)
 MAX_LOGIT_BIAS = 100.0
-MAX_TOKEN_ID_DIGITS = 12      # past any vocabulary; int() refuses over 4300
+MAX_TOKEN_ID_DIGITS = 12     # past any vocabulary; int() refuses over 4300
 MAX_PROMPTS = 256            # prompts in one /v1/completions request
 LOGPROB_BOUNDS = {"minimum": 0, "maximum": MAX_LOGPROBS}
 
@@ -68,7 +68,7 @@ class SamplingFields(Lenient):
         "Subtracted from a token's logit once per time it was generated so far."))
     logit_bias: dict[str, FiniteFloat] | None = Field(None, description=(
         "Token id (as a string) -> a bias from -100 to 100 added to its logit before sampling."),
-        json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"},
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$", "maxLength": MAX_TOKEN_ID_DIGITS},
                            "additionalProperties": {"minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}})
     user: Text | None = Field(None, description="Accepted and ignored.")
     # Extensions in vLLM's spelling.

@@ -181,6 +181,7 @@ REFUSED = [
     ("/v1/completions", {"model": "fake-model", "prompt": "x", "best_of": 0}),
     ("/v1/completions", {"model": "fake-model", "prompt": "x", "logit_bias": {"1": 101.0}}),
     ("/v1/completions", {"model": "fake-model", "prompt": "x", "logit_bias": {"a": 1.0}}),
+    ("/v1/completions", {"model": "fake-model", "prompt": "x", "logit_bias": {"9" * 13: 1.0}}),
     ("/v1/completions", {"model": "fake-model", "prompt": "x", "stop": ["s"] * 17}),
 ]
 
