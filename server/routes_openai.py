@@ -293,6 +293,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
     if body.token_limits_differ():
         raise ApiError(400, f"give max_completion_tokens or max_tokens, not two different values "
                             f"({body.max_completion_tokens} and {body.max_tokens})", param="max_completion_tokens")
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError(400, f"top_logprobs {body.top_logprobs} asks for log-probabilities: set logprobs "
+                            "to true as well", param="top_logprobs")
     empty = next((i for i, m in enumerate(body.messages) if m.lacks_content()), None)
     if empty is not None:
         raise ApiError(400, f"messages[{empty}] has no content (null only for an assistant message with "
