@@ -16,6 +16,7 @@ from fastapi import Request
 
 from .engine.params import FinishEvent, SamplingParams
 from .generation import ClientGone, Generation, Prompt, drain_unless_gone, submit
+from .http_errors import ApiError
 from .services import Services
 
 SEED_STRIDE = 0x9E3779B97F4A7C15          # odd: distinct choices never share a seed
@@ -89,9 +90,23 @@ class ChoiceGroup:
             generation.close()
 
 
+def check_fits_queue(config, prompts: list[tuple[Prompt, SamplingParams]], n: int) -> None:
+    """400 for a request the engine's queue bounds could never admit whole (a 429 would ask for a retry)."""
+    requests = len(prompts) * n
+    if requests > config.max_waiting_requests:
+        raise ApiError(400, f"{len(prompts)} prompts times n={n} are {requests} requests, over the "
+                            f"{config.max_waiting_requests} the queue holds (--max-waiting-requests)", param="n")
+    tokens = n * sum(len(prompt.ids) + params.max_new_tokens for prompt, params in prompts)
+    if tokens > config.max_waiting_tokens:
+        raise ApiError(400, f"{len(prompts)} prompts times n={n} are {tokens} tokens of prompt and max_tokens, "
+                            f"over the {config.max_waiting_tokens} the queue holds (--max-waiting-tokens)",
+                       param="n")
+
+
 def submit_choices(services: Services, engine, request: Request, prompts: list[tuple[Prompt, SamplingParams]],
                    n: int, *, endpoint: str, streaming: bool) -> ChoiceGroup:
     """Submits ``n`` choices of each prompt; if one cannot be admitted, those already are aborted."""
+    check_fits_queue(engine.config, prompts, n)
     generations: list[Generation] = []
     try:
         for prompt, params in prompts:

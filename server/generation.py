@@ -89,14 +89,15 @@ def check_token_ids(ids, vocab_size: int, param: str = "prompt") -> None:
 
 
 def resolve_max_new_tokens(requested: int | None, prompt_len: int, max_model_len: int,
-                           default: int, param: str, max_prompt_tokens: int | None = None) -> int:
+                           default: int, param: str, max_prompt_tokens: int | None = None,
+                           prompt_param: str = "inputs") -> int:
     """The number of tokens to generate, or 400 naming the numbers that do not fit."""
     if prompt_len < 1:
-        raise ApiError(400, "the prompt is empty after tokenization", param="inputs")
+        raise ApiError(400, "the prompt is empty after tokenization", param=prompt_param)
     prompt_limit = min(max_prompt_tokens or max_model_len - 1, max_model_len - 1)
     if prompt_len > prompt_limit:
         raise ApiError(400, f"the prompt has {prompt_len} tokens, over the limit of {prompt_limit} "
-                            f"(context length {max_model_len})", param="inputs", reason="too_long")
+                            f"(context length {max_model_len})", param=prompt_param, reason="too_long")
     room = max_model_len - prompt_len
     if requested is None:
         return min(default, room)
@@ -313,6 +314,7 @@ def submit(services: Services, engine, request: Request, prompt: Prompt, params:
 
 
 def plan_max_new_tokens(services: Services, engine, prompt: Prompt, requested: int | None,
-                        default: int, param: str) -> int:
+                        default: int, param: str, prompt_param: str) -> int:
+    """``param``, ``prompt_param``: the request's fields of the token limit and of the prompt."""
     return resolve_max_new_tokens(requested, len(prompt.ids), engine.max_model_len, default,
-                                  param, services.settings.max_prompt_tokens)
+                                  param, services.settings.max_prompt_tokens, prompt_param)

@@ -3,6 +3,7 @@ no handler ever puts a traceback into a body."""
 
 import json
 import logging
+import sys
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -123,6 +124,8 @@ def body_parse_error(cause: BaseException) -> str:
                 f"{cause.start}")
     if isinstance(cause, RecursionError):
         return "malformed JSON body: nested too deeply for the parser"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return f"malformed JSON body: a number of more than {sys.get_int_max_str_digits()} digits"
     return f"malformed request body: {type(cause).__name__}: {cause}"
 
 

@@ -202,9 +202,9 @@ async def completions(body: CompletionRequest, request: Request, engine=Depends(
         asked_prompt = max(body.logprobs, asked_prompt or 0)
     grammar = openai_grammar(body)
     planned = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         max_new = plan_max_new_tokens(services, engine, prompt, 1 if nothing else body.max_tokens, default,
-                                      "max_tokens")
+                                      "max_tokens", body.prompt_field(i))
         planned.append((prompt, await constrain(openai_sampling(engine, body, max_new, want_logprobs,
                                                                 body.logprobs or 0, asked_prompt), grammar)))
     n = body.choices()
@@ -293,6 +293,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
     if body.token_limits_differ():
         raise ApiError(400, f"give max_completion_tokens or max_tokens, not two different values "
                             f"({body.max_completion_tokens} and {body.max_tokens})", param="max_completion_tokens")
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError(400, f"top_logprobs {body.top_logprobs} asks for log-probabilities: set logprobs "
+                            "to true as well", param="top_logprobs")
     empty = next((i for i, m in enumerate(body.messages) if m.lacks_content()), None)
     if empty is not None:
         raise ApiError(400, f"messages[{empty}] has no content (null only for an assistant message with "
@@ -310,7 +313,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, engine
                                shared=body.cache_salt is None,
                                tools=tools.tools if tools.fmt.template_renders_tools else None)
     max_new = plan_max_new_tokens(services, engine, prompt, body.token_limit(),
-                                  services.settings.default_max_new_tokens, "max_completion_tokens")
+                                  services.settings.default_max_new_tokens, "max_completion_tokens", "messages")
     params = openai_sampling(engine, body, max_new, body.logprobs, body.top_logprobs or 0 if body.logprobs else 0,
                              body.prompt_logprobs)
     params = await constrain(params, grammar)

@@ -136,7 +136,8 @@ async def run_generate(body: GenerateRequest, request: Request, engine, services
     params = body.parameters
     max_new = plan_max_new_tokens(services, engine, prompt, params.max_new_tokens,
                                   services.settings.default_max_new_tokens,
-                                  "parameters.max_new_tokens")
+                                  "parameters.max_new_tokens",
+                                  "messages" if body.messages is not None else "inputs")
     check_top_n_tokens(params, services)
     sampling = await constrain(tgi_sampling(engine, params, max_new, services), tgi_grammar(params.grammar))
     strings = token_strings(engine.tokenizer)

@@ -19,6 +19,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16                   # choices per prompt
 MAX_LOGPROBS = 20            # top log-probabilities per position (vLLM's default --max-logprobs)
 MAX_LOGIT_BIAS = 100.0
+MAX_TOKEN_ID_DIGITS = 12     # past any vocabulary; int() refuses over 4300
 MAX_PROMPTS = 256            # prompts in one /v1/completions request
 LOGPROB_BOUNDS = {"minimum": 0, "maximum": MAX_LOGPROBS}
 
@@ -67,7 +68,7 @@ class SamplingFields(Lenient):
         "Subtracted from a token's logit once per time it was generated so far."))
     logit_bias: dict[str, FiniteFloat] | None = Field(None, description=(
         "Token id (as a string) -> a bias from -100 to 100 added to its logit before sampling."),
-        json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"},
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$", "maxLength": MAX_TOKEN_ID_DIGITS},
                            "additionalProperties": {"minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}})
     user: Text | None = Field(None, description="Accepted and ignored.")
     # Extensions in vLLM's spelling.
@@ -95,8 +96,10 @@ class SamplingFields(Lenient):
     @classmethod
     def _logit_bias(cls, v):
         for key, bias in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias key {key!r} is not a token id (a non-negative integer)")
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias key {key[:20]!r} is not a token id (a non-negative integer)")
+            if len(key) > MAX_TOKEN_ID_DIGITS:
+                raise ValueError(f"logit_bias key {key[:20]}... ({len(key)} digits) is not a token id: too large")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias of token {key} is {bias}, outside -{MAX_LOGIT_BIAS:g}.."
                                  f"{MAX_LOGIT_BIAS:g}")
@@ -152,9 +155,15 @@ class CompletionRequest(SamplingFields, GuidedFields):
             raise ValueError("the prompt is empty")
         return v
 
+    def _one_prompt(self) -> bool:
+        return isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+
     def prompt_list(self) -> list[str | list[int]]:
-        v = self.prompt
-        return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
+        return [self.prompt] if self._one_prompt() else list(self.prompt)
+
+    def prompt_field(self, index: int) -> str:
+        """The name of prompt ``index`` in error messages: 'prompt', or 'prompt.1' in a list."""
+        return "prompt" if self._one_prompt() else f"prompt.{index}"
 
     _logprobs = logprob_count("logprobs")
     _prompt_logprobs = logprob_count("prompt_logprobs")

@@ -4,12 +4,15 @@
 import dataclasses
 import json
 
-from starlette.concurrency import run_in_threadpool
+import anyio
 
 from .engine.grammar import choice_ebnf, parse_grammar
 from .engine.params import GrammarSpec, SamplingParams
 from .http_errors import ApiError
 
+# A grammar that parses longer would compile about as long on the engine's one compile thread, holding
+# up every other request with a grammar.
+GRAMMAR_PARSE_S = 10.0
 
 def _schema_text(schema, param: str) -> str:
     if isinstance(schema, str):
@@ -82,7 +85,12 @@ async def constrain(params: SamplingParams, found: tuple[GrammarSpec, str] | Non
         raise ApiError(400, f"ignore_eos true and {param}: a grammar ends the text where it is complete",
                        param="ignore_eos")
     try:
-        await run_in_threadpool(parse_grammar, spec)
+        with anyio.fail_after(GRAMMAR_PARSE_S):
+            # abandoned at the deadline: the library cannot be stopped, but the client is answered
+            await anyio.to_thread.run_sync(parse_grammar, spec, abandon_on_cancel=True)
     except ValueError as exc:
         raise ApiError(400, str(exc), param=param) from None
+    except TimeoutError:
+        raise ApiError(400, f"the {param} takes over {GRAMMAR_PARSE_S:g} s to parse (xgrammar spells out "
+                            "repetitions such as a pattern's {m,n}); bound it more tightly", param=param) from None
     return dataclasses.replace(params, grammar=spec)

@@ -228,6 +228,17 @@ def test_malformed_json_answers_400():
         assert "JSON" in r.json()["error"]
 
 
+def test_a_number_of_too_many_digits_is_a_400_in_the_clients_terms():
+    """Python's JSON parser refuses integers over 4300 digits with advice about its own settings."""
+    with client_for() as client:
+        for path in ("/generate", "/v1/completions"):
+            r = client.post(path, content=b'{"max_tokens": ' + b"9" * 5000 + b"}",
+                            headers={"content-type": "application/json"})
+            assert r.status_code == 400
+            message = r.json()["error"] if path == "/generate" else r.json()["error"]["message"]
+            assert message == "malformed JSON body: a number of more than 4300 digits", message
+
+
 def test_context_overflow_names_both_numbers():
     with client_for(FakeEngine(max_model_len=64)) as client:
         r = client.post("/generate", json={"inputs": "a" * 10, "parameters": {"max_new_tokens": 60}})
@@ -244,6 +255,24 @@ def test_prompt_token_limit():
         assert r.status_code == 400 and "9" in r.json()["error"] and "8" in r.json()["error"]
 
 
+def test_a_prompt_over_the_limit_is_named_by_the_field_that_sent_it():
+    with client_for(FakeEngine(max_model_len=64), max_prompt_tokens=8) as client:
+        long = "a" * 9
+        for path, body, field in [
+                ("/generate", {"inputs": long}, "inputs"),
+                ("/generate", {"messages": [{"role": "user", "content": long}]}, "messages"),
+                ("/v1/completions", {"model": "fake-model", "prompt": long}, "prompt"),
+                ("/v1/completions", {"model": "fake-model", "prompt": ["a", long]}, "prompt.1"),
+                ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": long}]},
+                 "messages")]:
+            r = client.post(path, json=body)
+            assert r.status_code == 400, r.text
+            if path == "/generate":
+                assert "over the limit of 8" in r.json()["error"]
+            else:
+                assert r.json()["error"]["param"] == field, (body, r.text)
+
+
 def test_full_queue_answers_429_with_retry_after():
     with client_for(FakeEngine(mode="full")) as client:
         r = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}})
@@ -253,6 +282,22 @@ def test_full_queue_answers_429_with_retry_after():
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
         metrics = client.get("/metrics").text
         assert 'llm_requests_rejected_total{reason="queue_full"} 2.0' in metrics
+
+
+def test_more_choices_than_the_queue_ever_admits_are_a_400_not_a_429():
+    """A 429 asks the client to retry; prompts times n past the queue's bound never fit."""
+    engine = FakeEngine()
+    engine.config = EngineConfig(max_waiting_requests=5, max_waiting_tokens=100)
+    with client_for(engine) as client:
+        body = {"model": "fake-model", "prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "n" and "6 requests" in error["message"] and "--max-waiting-requests" in error["message"]
+        r = client.post("/v1/completions", json={**body, "prompt": "abc", "n": 5, "max_tokens": 20})
+        assert r.status_code == 400 and "115 tokens" in r.json()["error"]["message"], r.text
+        assert not engine.requests
+        assert client.post("/v1/completions", json={**body, "prompt": ["a"], "n": 5}).status_code == 200
 
 
 def test_unexpected_exception_answers_500_without_traceback():

@@ -99,6 +99,18 @@ def test_an_unknown_model_name_is_not_echoed_whole(client):
     assert "the model `other` does not exist" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("key, says", [("\u00b2", "is not a token id"), ("\u0665", "is not a token id"),
+                                       ("9" * 5000, "(5000 digits) is not a token id")])
+def test_a_logit_bias_key_of_other_digits_or_too_many_is_a_422(client, key, says):
+    """str.isdigit() takes a superscript or an Arabic-Indic digit, and int() refuses more than
+    4300 digits: neither may reach int()."""
+    for stream in (False, True):
+        r = client.post("/v1/completions", json={**GOOD["/v1/completions"], "logit_bias": {key: 1.0}, "stream": stream})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["param"] == "logit_bias" and says in r.json()["error"]["message"]
+        assert len(r.content) < 1000
+
+
 def test_head_health_answers_like_get(client):
     r = client.head("/health")
     assert r.status_code == 200 and r.content == b""
@@ -169,6 +181,7 @@ REFUSED = [
     ("/v1/completions", {"model": "fake-model", "prompt": "x", "best_of": 0}),
     ("/v1/completions", {"model": "fake-model", "prompt": "x", "logit_bias": {"1": 101.0}}),
     ("/v1/completions", {"model": "fake-model", "prompt": "x", "logit_bias": {"a": 1.0}}),
+    ("/v1/completions", {"model": "fake-model", "prompt": "x", "logit_bias": {"9" * 13: 1.0}}),
     ("/v1/completions", {"model": "fake-model", "prompt": "x", "stop": ["s"] * 17}),
 ]
 

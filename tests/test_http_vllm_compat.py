@@ -89,6 +89,21 @@ def test_min_tokens_over_the_limit_and_stop_token_ids_outside_the_vocabulary_ans
         assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
 
 
+def test_chat_top_logprobs_without_logprobs_answers_400_as_vllm_does():
+    """Else the client asks for the top tokens and silently gets none."""
+    engine = FakeEngine()
+    with client_for(engine) as client:
+        for logprobs in (False, None):
+            body = {**OPENAI[1][1], "top_logprobs": 5, **({"logprobs": logprobs} if logprobs is not None else {})}
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "top_logprobs" and "logprobs" in r.json()["error"]["message"]
+        assert not engine.requests
+        assert client.post("/v1/chat/completions", json={**OPENAI[1][1], "top_logprobs": 0}).status_code == 200
+        assert client.post("/v1/chat/completions",
+                           json={**OPENAI[1][1], "top_logprobs": 5, "logprobs": True}).status_code == 200
+
+
 @pytest.mark.parametrize("path, base", OPENAI)
 def test_continuous_usage_stats_put_usage_on_every_chunk(path, base):
     with client_for(FakeEngine()) as client:

@@ -139,6 +139,19 @@ def test_n_greedy_choices_are_identical_to_each_other_and_to_one_choice(engine):
     pool_is_whole(engine)
 
 
+def test_more_choices_than_batch_rows_all_finish(engine):
+    """A prefill samples one row per choice drawing from it, and its read-back holds max_batch rows:
+    the choices past that draw their first token from their own prefill instead."""
+    prompt = random_prompt(45, seed=12)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    n = engine.core.scheduler.max_batch + 4
+    choices = run_choices(engine, prompt, params, n)
+    assert [f.reason for _, f in choices] == ["length"] * n
+    first = [e.token_id for e in choices[0][0]]
+    assert all([e.token_id for e in c] == first for c, _ in choices)
+    pool_is_whole(engine)
+
+
 def test_seeded_choices_differ_from_each_other_and_repeat_with_the_seed(engine):
     prompt = random_prompt(30, seed=6)
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=11, ignore_eos=True)

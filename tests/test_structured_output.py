@@ -13,6 +13,7 @@ import xgrammar as xgr
 from fastapi.testclient import TestClient
 
 from models import load_model
+from server import structured
 from server.app import create_app
 from server.engine import Engine, EngineConfig, SamplingParams
 from server.engine.grammar import EXACT_FORMATS, TokenMasks, choice_ebnf
@@ -325,6 +326,16 @@ def test_bad_grammars_answer_400_naming_the_problem_quickly(client, path, fields
     if path != "/generate":
         assert r.json()["error"]["param"] == param
     assert words in r.text
+    assert client.get("/health").status_code == 200
+
+
+def test_a_grammar_slow_to_parse_answers_400_at_the_deadline(client, monkeypatch):
+    """xgrammar spells out a schema pattern's repetitions: [a-z]{1,50000} parses for minutes."""
+    monkeypatch.setattr(structured, "GRAMMAR_PARSE_S", 0.01, raising=False)
+    schema = {"type": "string", "pattern": "[a-z]{1,3000}"}      # about 0.3 s or more
+    r = client.post("/v1/completions", json={"model": client.model_name, "prompt": "hi", "guided_json": schema})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "guided_json" and "0.01 s to parse" in r.json()["error"]["message"]
     assert client.get("/health").status_code == 200
 
 

@@ -337,10 +337,13 @@ class EngineCore:
             self._mark_scheduled(seq)
         ready = [i for i, (seq, take) in enumerate(work.chunks) if take == seq.prefill_remaining]
         # the other choices of a prompt draw their first token from its logits too, then wait
-        # for a prefill of their tail (past the shared full blocks) and that token
+        # for a prefill of their tail (past the shared full blocks) and that token; as many as
+        # the step's read-back has rows for (max_batch), the rest draw from their own prefill
         rows, takers = list(ready), [work.chunks[i][0] for i in ready]
+        room = self.scheduler.max_batch - len(ready)
         for i in ready:
-            followers = work.chunks[i][0].followers
+            followers = work.chunks[i][0].followers[:room]
+            room -= len(followers)
             rows += [i] * len(followers)
             takers += followers
         sampled = self.runner.prefill_step(work.chunks, rows, self._sampling_rows(takers), takers)
