@@ -271,13 +271,15 @@ def http_stack() -> tuple[int, str]:
 
 def serve(args, settings: Settings, channel=None, sockets=None) -> int:
     """Runs uvicorn with the app until it is told to stop; 1 if the model could not be loaded."""
+    import signal
+
     import uvicorn
 
     if channel is None or channel.worker == 0:
         log.log(*http_stack())
 
     from .app import create_app
-    from .shutdown import DrainingServer, drain
+    from .shutdown import HURRY_SIGNAL, DrainingServer, drain
 
     failed: list[str] = []
 
@@ -292,6 +294,9 @@ def serve(args, settings: Settings, channel=None, sockets=None) -> int:
         app, host=settings.host, port=settings.port, log_config=log_config(settings.log_level),
         access_log=False, timeout_graceful_shutdown=5),
         drain=lambda hurry: drain(app.state.services, settings.shutdown_timeout, hurry))
+    if channel is not None:                        # a worker: its parent's second SIGINT (serve_workers)
+        signal.signal(HURRY_SIGNAL, server.handle_hurry)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {HURRY_SIGNAL})
     server.run(sockets=sockets)
     if failed:
         log.error("exiting: the model could not be loaded", extra={"fields": {"error": failed[0]}})
@@ -318,6 +323,7 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
 
     from server.engine import EngineConfig
     from server.engine.process import start_shared_core, stop_core
+    from server.shutdown import HURRY_SIGNAL
 
     # counters and histograms summed over the workers (server/metrics.py)
     metrics_dir = None
@@ -331,11 +337,11 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
 
     def on_signal(signum, frame):
         # the first signal is passed on as SIGTERM once the loop below sees it; a SIGINT after it
-        # is passed on as is, so that each worker ends its running requests now (server/shutdown.py)
+        # as HURRY_SIGNAL, so that each worker ends its running requests now (server/shutdown.py)
         if signals and signum == signal.SIGINT:
             for worker in workers:
                 if worker.is_alive():
-                    os.kill(worker.pid, signal.SIGINT)
+                    os.kill(worker.pid, HURRY_SIGNAL)
         signals.append(signum)
 
     # before any child starts: a signal while they start must still stop them all
@@ -348,8 +354,13 @@ def serve_workers(args, argv: list[str], settings: Settings) -> int:
     ctx = mp.get_context("spawn")
     workers += [ctx.Process(target=_api_worker, args=(argv, channel, sock), name=f"api-worker-{channel.worker}")
                 for channel in channels]
-    for worker in workers:
-        worker.start()
+    # HURRY_SIGNAL would kill a worker that has not yet set its handler: blocked till it has
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {HURRY_SIGNAL})
+    try:
+        for worker in workers:
+            worker.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     for channel in channels:
         channel.close()                            # each worker holds its pipes' only ends on this side now
     log.info("engine process %d, API worker processes %s", core.pid, [w.pid for w in workers])

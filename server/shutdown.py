@@ -10,7 +10,9 @@ running are ended at once, with their last events, and the server exits as after
 A signal may reach the server's parent process alone (``kill PID``) or every process of it
 (``kill -- -PGID``, a terminal's Ctrl-C, systemd's control-group stop, a container runtime): the
 engine process ignores SIGINT and SIGTERM (``server.engine.process``), so either way the drain
-above is what happens.
+above is what happens. With several API workers the parent passes the first signal on as SIGTERM
+and a second SIGINT as ``HURRY_SIGNAL``, which drains and hurries in one: a worker handed both at
+once runs the lower-numbered signal's handler first, so a forwarded SIGINT could pass for the first.
 """
 
 import asyncio
@@ -26,6 +28,7 @@ from .services import Services
 
 log = logging.getLogger("server.shutdown")
 
+HURRY_SIGNAL = signal.SIGUSR1
 FINAL_EVENTS_S = 5.0      # after ending the requests: time for their last events to be written
 IDLE_ENGINE_S = 2.0       # time for the engine to report its KV blocks free
 DRAIN_REPORT_S = 5.0      # while draining, how often the log says what is left
@@ -99,6 +102,12 @@ class DrainingServer(uvicorn.Server):
             self._drain_signal = sig
         elif sig == signal.SIGINT:
             self._hurry = True
+
+    def handle_hurry(self, sig: int, frame: FrameType | None) -> None:
+        """``HURRY_SIGNAL`` from the parent of several workers: drain, ending the running requests now."""
+        if self._drain_signal is None:
+            self._drain_signal = signal.SIGTERM
+        self._hurry = True
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain_signal is not None and self._drain_task is None and not self.should_exit:

@@ -256,6 +256,33 @@ def test_streams_running_past_the_timeout_are_ended_with_a_proper_last_event(tmp
     assert ("second interrupt: the server ends the requests still running" in log) == hurried
 
 
+def test_two_quick_interrupts_to_the_parent_of_two_workers_end_the_streams_at_once(tmp_path):
+    """`kill -INT PID; kill -INT PID`: the parent passes the first on as SIGTERM (within its 0.2 s
+    loop) and the second at once as the hurry signal, which a worker may see first or together
+    with the SIGTERM (it runs the lower-numbered signal's handler first); either order must drain
+    and end the running requests now, not at the timeout."""
+    server = Server(tmp_path / "server.log", "--shutdown-timeout", "30", "--api-workers", "2")
+    try:
+        tgi, openai = streams(server.url, new_tokens=4000)
+        signalled = time.monotonic()
+        server.signal(signal.SIGINT, "parent")
+        time.sleep(0.05)       # two signals still pending together would merge into one
+        server.signal(signal.SIGINT, "parent")
+        for s in (tgi, openai):
+            s.join(60)
+        ended = time.monotonic() - signalled
+        code = server.wait(60)
+    finally:
+        server.kill()
+    assert ended < 10, "the second SIGINT was taken for the first: the streams ran to the timeout"
+    for s in (tgi, openai):
+        assert s.complete and s.error is None, s.error
+    assert tgi.events[-1]["error_type"] == "incomplete_generation"
+    assert openai.events[-1] == "[DONE]" and openai.events[-3]["choices"][0]["finish_reason"] == "abort"
+    log = check_clean_exit(server, code)
+    assert "second interrupt: the server ends the requests still running" in log
+
+
 def test_draining_app_refuses_new_work_and_health_says_so():
     """The in-process view of the same: a draining app's routes answer 503 with Retry-After."""
     with client_for(FakeEngine()) as client:
