@@ -38,7 +38,10 @@ def test_two_workers_share_one_engine_and_their_metrics(start_server):
         assert [e["index"] for e in events] == list(range(1, new_tokens + 1))
         assert events[-1]["details"]["generated_tokens"] == new_tokens
         assert events[-1]["generated_text"] == "".join(e["token"]["text"] for e in events)
-    assert server.log_path.read_text(errors="replace").count("Application startup complete") == 2
+    deadline = time.monotonic() + 60            # the first 200 may come before the second worker is up
+    while server.log_path.read_text(errors="replace").count("Application startup complete") < 2:
+        assert time.monotonic() < deadline, server.log_path.read_text(errors="replace")[-4000:]
+        time.sleep(0.1)
     # every worker's /metrics sums the counters of both
     for _ in range(4):
         text = httpx.get(server.url + "/metrics", timeout=10).text
