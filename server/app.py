@@ -38,9 +38,8 @@ def create_app(engine=None, settings: Settings | None = None, *,
         raise ValueError("give exactly one of engine or loader")
     settings = settings or Settings()
     slot = EngineSlot()
-    services = Services(settings=settings, slot=slot, metrics=Metrics(slot.get))
-    if core_loaded is not None:
-        services.core_loaded = core_loaded
+    services = Services(settings=settings, slot=slot, metrics=Metrics(slot.get),
+                        core_loaded=core_loaded or (lambda: False))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

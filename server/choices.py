@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from .engine import queued_tokens
 from .engine.params import FinishEvent, SamplingParams
 from .generation import ClientGone, Generation, Prompt, drain_unless_gone, submit
 from .http_errors import ApiError
@@ -96,7 +97,7 @@ def check_fits_queue(config, prompts: list[tuple[Prompt, SamplingParams]], n: in
     if requests > config.max_waiting_requests:
         raise ApiError(400, f"{len(prompts)} prompts times n={n} are {requests} requests, over the "
                             f"{config.max_waiting_requests} the queue holds (--max-waiting-requests)", param="n")
-    tokens = n * sum(len(prompt.ids) + params.max_new_tokens for prompt, params in prompts)
+    tokens = n * sum(queued_tokens(len(prompt.ids), params) for prompt, params in prompts)
     if tokens > config.max_waiting_tokens:
         raise ApiError(400, f"{len(prompts)} prompts times n={n} are {tokens} tokens of prompt and max_tokens, "
                             f"over the {config.max_waiting_tokens} the queue holds (--max-waiting-tokens)",

@@ -57,6 +57,8 @@ class Services:
         ``catch_up_s``) to hear so rather than answer "loading": a client that got 200 from one
         worker must not get "still loading" from the next."""
         health = self.health()
+        if health[1] != "loading":
+            return health
         deadline = time.monotonic() + catch_up_s
         while health[1] == "loading" and self.core_loaded() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)

@@ -26,6 +26,11 @@ from .pipeline import MAX_TOP_LOGPROBS
 log = logging.getLogger(__name__)
 
 
+def queued_tokens(prompt_len: int, params: SamplingParams) -> int:
+    """What a request counts against ``max_waiting_tokens`` while it waits: prompt and max new tokens."""
+    return prompt_len + params.max_new_tokens
+
+
 class RequestStream:
     """Async iterator over one request's events; the last event is a ``FinishEvent``."""
 
@@ -127,7 +132,7 @@ class EngineFrontend:
         request_id = self.id_prefix + (request_id or f"req-{next(self._ids)}")
         if request_id in self._streams or request_id in self.output:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        tokens = len(prompt_ids) + params.max_new_tokens
+        tokens = queued_tokens(len(prompt_ids), params)
         if self._queued_requests >= self.config.max_waiting_requests:
             raise QueueFullError(f"{self._queued_requests} requests are waiting (limit "
                                  f"{self.config.max_waiting_requests})", retry_after=1.0)
