@@ -27,6 +27,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.workers = int(args[args.index("--api-workers") + 1]) if "--api-workers" in args else 1
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "server", "--model", MODEL, "--device", device, "--port", str(self.port),
@@ -37,7 +38,9 @@ class Server:
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log()[-4000:]
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                # every worker up (its signal handlers set): one still starting dies of a signal
+                if (httpx.get(self.url + "/health", timeout=2).status_code == 200
+                        and self.log().count("Application startup complete") >= self.workers):
                     return
             except httpx.TransportError:
                 pass
